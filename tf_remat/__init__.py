@@ -1,0 +1,38 @@
+"""tf-remat: rematerialization schedules that make TensorFlow/Keras training fit in less memory.
+
+The core (graphs, strategies, plans) imports no TensorFlow; ``optimize``, ``extract_graph`` and
+``max_batch_size`` load it on first use.
+"""
+
+from tf_remat import errors
+from tf_remat.errors import (GraphError, InfeasibleBudgetError, PlanError, RematError,
+                             SolverTimeoutError, StrategyError, UnsupportedOpError)
+from tf_remat.graph import Graph, load_graph
+from tf_remat.plan import Plan, Schedule, explain, load_plan, simulate
+from tf_remat.solvers import available_strategies, get_strategy, solve
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Graph", "Plan", "Schedule", "load_graph", "load_plan", "simulate", "explain",
+    "solve", "get_strategy", "available_strategies",
+    "optimize", "extract_graph", "max_batch_size",
+    "RematError", "GraphError", "PlanError", "InfeasibleBudgetError", "UnsupportedOpError",
+    "SolverTimeoutError", "StrategyError", "errors",
+]
+
+# TensorFlow-backed entry points, imported lazily so the core stays TensorFlow-free.
+_LAZY = {
+    "optimize": ("tf_remat.api", "optimize"),
+    "extract_graph": ("tf_remat.extract", "extract_graph"),
+    "max_batch_size": ("tf_remat.batch", "max_batch_size"),
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(module), attr)
+    raise AttributeError(f"module 'tf_remat' has no attribute {name!r}")
