@@ -1,0 +1,208 @@
+"""The ``tf-remat`` command line: parses arguments and calls the library, nothing more.
+
+Exit codes: 0 success; 2 bad input (the message names what to change); 3 no plan within the
+budget (an over-budget plan is still written when one was found).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from tf_remat._units import format_bytes, parse_budget
+
+__all__ = ["main"]
+
+EXIT_BAD_INPUT = 2
+EXIT_INFEASIBLE = 3
+
+
+def main(argv=None) -> int:
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return EXIT_BAD_INPUT
+    from tf_remat.errors import RematError
+
+    try:
+        return int(args.func(args) or 0)
+    except (RematError, ValueError, FileNotFoundError) as exc:
+        print(f"tf-remat {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print(f"tf-remat {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+# --------------------------------------------------------------------- commands
+def cmd_info(args) -> int:
+    from tf_remat.graph import Graph
+
+    g = Graph.load(args.graph)
+    info = {"name": g.name, "nodes": g.n, "edges": len(g.edges),
+            "no_remat_peak": g.no_remat_peak, "total_cost": g.total_cost,
+            "budget_lower_bound": g.budget_lower_bound, "fixed_memory": g.fixed_memory,
+            "backward_nodes": sum(g.backward),
+            "non_recomputable_nodes": g.n - sum(g.recomputable)}
+    if args.json:
+        print(json.dumps(info))
+        return 0
+    print(f"graph               {g.name}")
+    print(f"nodes / edges       {g.n} / {len(g.edges)} "
+          f"({info['backward_nodes']} backward, {info['non_recomputable_nodes']} not recomputable)")
+    print(f"no-remat peak       {g.no_remat_peak} B ({format_bytes(g.no_remat_peak)})")
+    print(f"budget lower bound  {g.budget_lower_bound} B ({format_bytes(g.budget_lower_bound)})")
+    print(f"fixed memory        {g.fixed_memory} B ({format_bytes(g.fixed_memory)})")
+    print(f"total cost          {g.total_cost:.6g}")
+    return 0
+
+
+def cmd_solve(args) -> int:
+    from tf_remat.graph import Graph
+    from tf_remat.solvers import solve
+
+    g = Graph.load(args.graph)
+    budget = parse_budget(args.budget, g.no_remat_peak)
+    options = _parse_sets(args.set)
+    plan = solve(g, budget, args.strategy, time_limit=args.time_limit, seed=args.seed,
+                 verbose=0 if args.quiet else 1, **options)
+    if plan.steps and args.output:
+        plan.save(args.output)
+    line = _plan_line(g, plan)
+    if plan.within_budget:
+        print(line)
+        return 0
+    msg = plan.info.get("message") or "no plan within the budget was found"
+    print(f"tf-remat solve: {msg} (budget {budget} B = {format_bytes(budget)}, "
+          f"lower bound {g.budget_lower_bound} B)", file=sys.stderr)
+    if plan.steps:
+        print(f"tf-remat solve: the best plan found peaks at {plan.peak_memory} B "
+              f"({format_bytes(plan.peak_memory)})"
+              + (f"; written with status {plan.status} to {args.output}" if args.output else ""),
+              file=sys.stderr)
+    return EXIT_INFEASIBLE
+
+
+def cmd_simulate(args) -> int:
+    from tf_remat.graph import Graph
+    from tf_remat.plan import Plan, simulate
+
+    g = Graph.load(args.graph)
+    plan = Plan.load(args.plan)
+    sim = simulate(g, plan.steps)
+    overhead = sim.cost / g.total_cost - 1 if g.total_cost else 0.0
+    result = {"valid": True, "peak_memory": sim.peak_memory, "cost": sim.cost,
+              "overhead": overhead, "budget": plan.budget,
+              "within_budget": sim.peak_memory <= plan.budget}
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"valid plan: peak {sim.peak_memory} B ({format_bytes(sim.peak_memory)}), "
+              f"cost {sim.cost:.6g}, overhead {100 * overhead:.3f}%, "
+              f"budget {plan.budget} B ({'within' if result['within_budget'] else 'OVER'})")
+    return 0
+
+
+def cmd_explain(args) -> int:
+    from tf_remat.graph import Graph
+    from tf_remat.plan import Plan, explain
+
+    print(explain(Plan.load(args.plan), Graph.load(args.graph), limit=args.limit))
+    return 0
+
+
+def cmd_strategies(args) -> int:
+    from tf_remat.solvers import _TABLE, get_strategy
+    from tf_remat.errors import StrategyError
+
+    width = max(map(len, _TABLE))
+    for name in _TABLE:
+        try:
+            s = get_strategy(name)
+        except StrategyError as exc:
+            print(f"{name:<{width}}  (unavailable: {exc})")
+            continue
+        opts = ", ".join(f"{k}={d!r}" for k, (t, d, _) in s.options.items()
+                         if t in (int, float, str, bool))
+        print(f"{name:<{width}}  {s.summary}" + (f"  [options: {opts}]" if opts else ""))
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from tf_remat.demo import run_demo
+
+    return run_demo(args)
+
+
+# --------------------------------------------------------------------- helpers
+def _parse_sets(items) -> dict:
+    out = {}
+    for item in items or ():
+        if "=" not in item:
+            raise ValueError(f"--set {item!r} must look like KEY=VALUE")
+        key, value = item.split("=", 1)
+        out[key.strip()] = value.strip()
+    return out
+
+
+def _plan_line(g, plan) -> str:
+    overhead = plan.overhead or 0.0
+    lb = "" if plan.lower_bound is None else f", lower bound {plan.lower_bound:.6g}"
+    return (f"{plan.strategy}: {plan.status}, peak {plan.peak_memory} B "
+            f"({format_bytes(plan.peak_memory)}) of budget {plan.budget} B, cost {plan.cost:.6g} "
+            f"({100 * overhead:.3f}% overhead{lb}), {plan.solve_seconds:.2f} s")
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tf-remat", description=__doc__.splitlines()[0])
+    from tf_remat import __version__
+
+    p.add_argument("--version", action="version", version=f"tf-remat {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+
+    s = sub.add_parser("info", help="graph facts: nodes, edges, no-remat peak, budget bound")
+    s.add_argument("graph")
+    s.add_argument("--json", action="store_true", help="one JSON object")
+    s.set_defaults(func=cmd_info)
+
+    s = sub.add_parser("solve", help="solve a graph under a memory budget, write the plan")
+    s.add_argument("graph")
+    s.add_argument("--budget", "-b", required=True,
+                   help="bytes (12884901888), with a unit (12GB, 11.3GiB) or a fraction of the "
+                        "no-rematerialization peak (0.8)")
+    s.add_argument("--strategy", "-s", default="auto", help="see `tf-remat strategies`")
+    s.add_argument("--time-limit", type=float, default=None, help="seconds")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--set", action="append", metavar="KEY=VALUE", help="strategy option")
+    s.add_argument("--quiet", "-q", action="store_true", help="no progress on stderr")
+    s.add_argument("-o", "--output", help="plan JSON to write")
+    s.set_defaults(func=cmd_solve)
+
+    s = sub.add_parser("simulate", help="validate a plan and print its peak, cost, overhead")
+    s.add_argument("graph")
+    s.add_argument("plan")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_simulate)
+
+    s = sub.add_parser("explain", help="what a plan keeps and recomputes")
+    s.add_argument("graph")
+    s.add_argument("plan")
+    s.add_argument("--limit", type=int, default=20)
+    s.set_defaults(func=cmd_explain)
+
+    s = sub.add_parser("strategies", help="list the strategies")
+    s.set_defaults(func=cmd_strategies)
+
+    s = sub.add_parser("demo", help="the main job on a bundled example")
+    s.add_argument("--graph", default=None,
+                   help="solve this graph file instead of the bundled one")
+    s.add_argument("--budget", default="0.8")
+    s.add_argument("--time-limit", type=float, default=10.0, help="seconds per strategy")
+    s.set_defaults(func=cmd_demo)
+    return p
+
+
+if __name__ == "__main__":
+    sys.exit(main())
