@@ -1,0 +1,118 @@
+import itertools
+
+import pytest
+
+from tf_remat.errors import PlanError
+from tf_remat.generators import linear_graph, random_dag
+from tf_remat.graph import Graph
+from tf_remat.plan import (Plan, Schedule, explain, make_plan, minimal_r, plan_from_rs,
+                           sequence_from_rs, simulate, steps_from_sequence)
+
+CHAIN = Graph(cost=(1, 2, 3, 4), memory=(10, 20, 30, 40), edges=((0, 1), (1, 2), (2, 3)))
+
+
+def test_simulator_semantics_by_hand():
+    steps = [("compute", 0), ("compute", 1), ("free", 0), ("compute", 2), ("free", 1),
+             ("compute", 3), ("free", 2)]
+    g = CHAIN.replace(fixed_memory=5)
+    sim = simulate(g, steps)
+    assert sim.timeline == (15, 35, 25, 55, 35, 75, 45)
+    assert sim.peak_memory == 75 and sim.peak_step == 5
+    assert sim.cost == 10
+
+
+@pytest.mark.parametrize("steps, words", [
+    ([("compute", 1)], "input 0 is not resident"),
+    ([("compute", 0), ("compute", 0)], "already resident"),
+    ([("free", 0)], "not resident"),
+    ([("compute", 0), ("compute", 1), ("compute", 2)], "never computes"),
+    ([("compute", 0), ("compute", 1), ("compute", 2), ("compute", 3), ("free", 3)],
+     "output 3 is not resident"),
+    ([("run", 0)], "operation 'run'"),
+    ([("compute", 9)], "ids run 0..3"),
+])
+def test_simulator_rejects_invalid_plans(steps, words):
+    with pytest.raises(PlanError, match=words):
+        simulate(CHAIN, steps)
+
+
+def test_simulator_refuses_recomputing_stateful_node():
+    g = CHAIN.replace(recomputable=(True, False, True, True))
+    with pytest.raises(PlanError, match="not recomputable"):
+        simulate(g, steps_from_sequence(g, [0, 1, 2, 1, 3]))
+
+
+def test_steps_from_sequence_frees_after_last_reader_and_uses_latest_copy():
+    g = linear_graph(3)  # f0 f1 f2 loss b2 b1 b0 ; b_i reads f_i
+    seq = [0, 1, 2, 3, 4, 5, 0, 6]  # recompute f0 before b0
+    steps = steps_from_sequence(g, seq)
+    sim = simulate(g, steps)
+    assert sim.compute_counts[0] == 2
+    # the first copy of f0 is freed right after f1 is computed
+    assert steps[:3] == (("compute", 0), ("compute", 1), ("free", 0))
+    with pytest.raises(PlanError, match="before its input"):
+        steps_from_sequence(g, [1, 0])
+
+
+def test_steps_from_sequence_is_memory_minimal_on_small_graphs():
+    """No way of placing frees beats ours for the same compute sequence."""
+    g = random_dag(7, seed=5)
+    seq = list(g.order)
+    ours = simulate(g, steps_from_sequence(g, seq)).peak_memory
+    assert ours == g.no_remat_peak
+    # brute force: frees only at the end are never better
+    keep_all = [("compute", v) for v in seq] + [("free", v) for v in range(g.n)
+                                                  if v not in g.outputs]
+    assert simulate(g, keep_all).peak_memory >= ours
+
+
+def test_minimal_r_and_plan_from_rs_on_a_chain():
+    g = linear_graph(3)
+    n = g.n
+    # checkpoint nothing forward after its stage: S keeps only backward values and the loss
+    S = [[0] * n for _ in range(n)]
+    for t in range(1, n):
+        for v in g.order[:t]:
+            if g.backward[v] or g.names[v] == "loss":
+                S[t][v] = 1
+        S[t][g.order[t - 1]] = 1
+    R = minimal_r(g, S)
+    for t in range(n):
+        assert R[t][g.order[t]] == 1
+    seq = sequence_from_rs(g, R)
+    plan = plan_from_rs(g, R, S, strategy="manual")
+    sim = simulate(g, plan.steps)
+    assert plan.peak_memory == sim.peak_memory
+    assert sim.cost > g.total_cost  # forward values were recomputed
+    assert list(seq) == list(plan.sequence)
+
+
+def test_make_plan_marks_over_budget_infeasible_and_roundtrips(tmp_path):
+    g = linear_graph(4)
+    plan = make_plan(g, Schedule(sequence=g.order), budget=g.no_remat_peak - 1, strategy="x")
+    assert plan.status == "infeasible"
+    ok = make_plan(g, Schedule(sequence=g.order), budget=g.no_remat_peak, strategy="x")
+    assert ok.status == "feasible" and ok.overhead == 0
+    p = tmp_path / "plan.json"
+    ok.save(p)
+    back = Plan.load(p)
+    assert back.steps == ok.steps and back.peak_memory == ok.peak_memory
+    empty = make_plan(g, Schedule(sequence=(), status="timeout"), budget=10)
+    assert empty.status == "timeout" and not empty.found
+
+
+def test_plan_load_errors(tmp_path):
+    p = tmp_path / "p.json"
+    p.write_text('{"format": "tf-remat-plan", "steps": [["jump", 1]]}')
+    with pytest.raises(PlanError, match="jump"):
+        Plan.load(p)
+    with pytest.raises(PlanError, match="does not exist"):
+        Plan.load(tmp_path / "none.json")
+
+
+def test_explain_lists_recomputed_nodes():
+    g = linear_graph(3)
+    plan = make_plan(g, Schedule(sequence=[0, 1, 2, 3, 4, 5, 0, 6]), budget=10**9)
+    text = explain(plan, g)
+    assert "recomputed 1 of 7 nodes" in text
+    assert "0 (f0): computed 2x" in text
