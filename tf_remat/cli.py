@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from tf_remat._units import format_bytes, parse_budget
@@ -130,6 +131,37 @@ def cmd_strategies(args) -> int:
     return 0
 
 
+def cmd_tradeoff(args) -> int:
+    from tf_remat.graph import Graph
+    from tf_remat.solvers import _TABLE, get_strategy
+    from tf_remat import tradeoff as T
+
+    if bool(args.graph) == bool(args.model):
+        raise ValueError("give a GRAPH file or --model NAME (one of them)")
+    if args.model:
+        from tf_remat.extract import extract_graph
+        from tf_remat.zoo import model_specs
+
+        model, input_spec, label_spec = model_specs(args.model, batch_size=args.batch,
+                                                    input_size=args.input)
+        g = extract_graph(model, input_spec=input_spec, label_spec=label_spec,
+                          cost_model=args.cost_model, verbose=0 if args.quiet else 1)
+    else:
+        g = Graph.load(args.graph)
+    fractions = T.parse_budget_range(args.budgets)
+    strategies = args.strategies or [s for s in _TABLE if s != "auto"]
+    for s in strategies:
+        get_strategy(s)  # unknown names fail before any solving
+    points = T.tradeoff(g, fractions, strategies, time_limit=args.time_limit,
+                        verbose=0 if args.quiet else 1)
+    out = args.output or os.path.join("benchmarks", "results", f"tradeoff_{g.name}.png")
+    table_path = os.path.splitext(out)[0] + ".md"
+    print(T.write_table(g, points, table_path))
+    T.plot_tradeoff(g, points, out)
+    print(f"wrote {out} and {table_path}")
+    return 0
+
+
 def cmd_demo(args) -> int:
     from tf_remat.demo import run_demo
 
@@ -194,6 +226,21 @@ def _build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("strategies", help="list the strategies")
     s.set_defaults(func=cmd_strategies)
+
+    s = sub.add_parser("tradeoff", help="overhead vs budget curves for several strategies")
+    s.add_argument("graph", nargs="?", help="graph file (or use --model)")
+    s.add_argument("--model", help="a zoo model name, extracted first")
+    s.add_argument("--batch", type=int, default=8, help="batch size for --model")
+    s.add_argument("--input", default=None, help="input size HxW for --model")
+    s.add_argument("--cost-model", default="profile", choices=("profile", "flops"))
+    s.add_argument("--budgets", default="0.4:1.0:0.05",
+                   help="START:STOP:STEP or a comma list of fractions of the no-remat peak")
+    s.add_argument("--strategies", nargs="+", help="default: every strategy but auto")
+    s.add_argument("--time-limit", type=float, default=10.0, help="seconds per solve")
+    s.add_argument("--quiet", "-q", action="store_true")
+    s.add_argument("-o", "--output", help="PNG path (the table goes beside it as .md); "
+                                          "default benchmarks/results/tradeoff_<graph>.png")
+    s.set_defaults(func=cmd_tradeoff)
 
     s = sub.add_parser("demo", help="the main job on a bundled example")
     s.add_argument("--graph", default=None,
