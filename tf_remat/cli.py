@@ -162,6 +162,19 @@ def cmd_tradeoff(args) -> int:
     return 0
 
 
+def cmd_max_batch(args) -> int:
+    from tf_remat.batch import max_batch_size
+    from tf_remat.training import load_builder
+
+    build = load_builder(args.model, args.module, input_size=args.input)
+    result = max_batch_size(build, budget_gb=args.budget_gb, strategy=args.strategy,
+                            time_limit=args.time_limit, start=args.start,
+                            max_batch=args.max, verbose=0 if args.json else 1)
+    if args.json:
+        print(json.dumps(result.to_dict()))
+    return 0
+
+
 def cmd_demo(args) -> int:
     from tf_remat.demo import run_demo
 
@@ -188,7 +201,7 @@ def _plan_line(g, plan) -> str:
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tf-remat", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="tf-remat", description="tf-remat: rematerialization schedules that make Keras training fit in less memory")
     from tf_remat import __version__
 
     p.add_argument("--version", action="version", version=f"tf-remat {__version__}")
@@ -241,6 +254,22 @@ def _build_parser() -> argparse.ArgumentParser:
     s.add_argument("-o", "--output", help="PNG path (the table goes beside it as .md); "
                                           "default benchmarks/results/tradeoff_<graph>.png")
     s.set_defaults(func=cmd_tradeoff)
+
+    s = sub.add_parser("max-batch", help="largest batch that trains within a budget, "
+                                         "plain and with rematerialization")
+    src = s.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="zoo model name")
+    src.add_argument("--module", help="path/to/file.py:build, build(batch) -> "
+                                      "(compiled_model, input_spec, label_spec)")
+    s.add_argument("--budget-gb", type=float, required=True, help="GiB (2**30 bytes)")
+    s.add_argument("--input", default=None, help="input size HxW for zoo models")
+    s.add_argument("--strategy", default="auto")
+    s.add_argument("--time-limit", type=float, default=30.0, help="seconds per solve")
+    s.add_argument("--start", type=int, default=8, help="first batch size tried")
+    s.add_argument("--max", type=int, default=4096, help="largest batch size tried")
+    s.add_argument("--json", action="store_true",
+                   help='one line {"plain_batch", "remat_batch", "budget_bytes"}')
+    s.set_defaults(func=cmd_max_batch)
 
     s = sub.add_parser("demo", help="the main job on a bundled example")
     s.add_argument("--graph", default=None,

@@ -1,0 +1,208 @@
+"""Largest batch size whose training step fits a memory budget, plain and rematerialized.
+
+A user's ``build(batch_size)`` returns ``(compiled_model, input_spec, label_spec)``. For each
+candidate batch size the plain step (checkpoint all) and the rewritten step are *run* and their
+peak memory measured as TensorFlow counts it; a size is reported only after such a run stayed
+within the budget.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import time
+
+from tf_remat._units import format_bytes
+
+__all__ = ["MaxBatchResult", "max_batch_size", "measure_step_peak", "memory_device"]
+
+
+@dataclasses.dataclass
+class MaxBatchResult:
+    """``plain_batch`` / ``remat_batch``: largest sizes confirmed within ``budget_bytes``
+    (0 if even the smallest tried does not fit); ``probes`` every measurement made."""
+
+    plain_batch: int
+    remat_batch: int
+    budget_bytes: int
+    probes: list
+
+    @property
+    def ratio(self) -> float | None:
+        return self.remat_batch / self.plain_batch if self.plain_batch else None
+
+    def to_dict(self) -> dict:
+        return {"plain_batch": self.plain_batch, "remat_batch": self.remat_batch,
+                "budget_bytes": self.budget_bytes}
+
+
+def memory_device() -> str:
+    """'GPU:0' when TensorFlow sees a GPU, else 'CPU:0' (where TF's peak counters also work)."""
+    import tensorflow as tf
+
+    return "GPU:0" if tf.config.list_physical_devices("GPU") else "CPU:0"
+
+
+def measure_step_peak(step, x, y, *, device: str | None = None, warmup: int = 1) -> int:
+    """Peak bytes TensorFlow's allocator reports while ``step(x, y)`` runs.
+
+    The first call (tracing, kernel set-up) runs before the counters are reset, so the figure is
+    the steady-state step. Memory already allocated when the step starts (weights, optimizer
+    slots, the batch) counts, as in the budget.
+    """
+    import tensorflow as tf
+
+    device = device or memory_device()
+    for _ in range(warmup):
+        _block(step(x, y))
+    gc.collect()
+    tf.config.experimental.reset_memory_stats(device)
+    _block(step(x, y))
+    return int(tf.config.experimental.get_memory_info(device)["peak"])
+
+
+def _block(out):
+    import tensorflow as tf
+
+    for t in tf.nest.flatten(out):
+        if hasattr(t, "numpy"):
+            t.numpy()
+
+
+def _synthetic_batch(input_spec, label_spec, seed=0):
+    import tensorflow as tf
+
+    g = tf.random.Generator.from_seed(seed)
+
+    def make(spec):
+        if spec.dtype.is_integer:
+            return tf.zeros(spec.shape, spec.dtype)
+        return tf.cast(g.normal(spec.shape), spec.dtype)
+
+    return tf.nest.map_structure(make, input_spec), tf.nest.map_structure(make, label_spec)
+
+
+def _plain_step(model, loss_fn, optimizer):
+    import tensorflow as tf
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            pred = model(x, training=True)
+            loss = loss_fn(y, pred)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    return step
+
+
+def _probe(build, batch, budget, *, remat, strategy, time_limit, verbose):
+    """Measured peak at this batch (plain or rewritten), or None when no plan fits."""
+    import keras
+
+    from tf_remat.errors import InfeasibleBudgetError, RematError
+
+    keras.backend.clear_session()
+    gc.collect()
+    model, input_spec, label_spec = build(batch)
+    x, y = _synthetic_batch(input_spec, label_spec)
+    t0 = time.perf_counter()
+    if remat:
+        from tf_remat.api import optimize
+
+        try:
+            step = optimize(model, budget_bytes=budget, input_spec=input_spec,
+                            label_spec=label_spec, strategy=strategy, time_limit=time_limit,
+                            verbose=0)
+        except InfeasibleBudgetError:
+            return None, time.perf_counter() - t0
+        except RematError as exc:
+            if verbose:
+                print(f"  batch {batch}: {exc}")
+            return None, time.perf_counter() - t0
+    else:
+        model.optimizer.build(model.trainable_variables)
+        step = _plain_step(model, model.loss if callable(model.loss) else
+                           keras.losses.get(model.loss), model.optimizer)
+    peak = measure_step_peak(step, x, y)
+    return peak, time.perf_counter() - t0
+
+
+def max_batch_size(build, budget_gb: float | None = None, *, budget_bytes: int | None = None,
+                   strategy: str = "auto", time_limit: float = 30.0, start: int = 1,
+                   max_batch: int = 4096, verbose: int = 1) -> MaxBatchResult:
+    """Largest batch sizes that train within the budget, plain and with rematerialization.
+
+    Args:
+        build: ``build(batch_size) -> (compiled_model, input_spec, label_spec)``.
+        budget_gb: the budget in GiB (2**30 bytes), or give ``budget_bytes``.
+        strategy, time_limit: passed to :func:`tf_remat.optimize` for each probe.
+        start: the first batch size tried; doubled until a size fails, then bisected.
+        max_batch: stop growing here.
+
+    Returns:
+        :class:`MaxBatchResult`; both sizes were confirmed by a measured run within budget.
+
+    Example:
+        >>> r = tf_remat.max_batch_size(build, budget_gb=1.0)   # doctest: +SKIP
+        >>> r.plain_batch, r.remat_batch
+        (24, 64)
+    """
+    if (budget_gb is None) == (budget_bytes is None):
+        raise ValueError("give exactly one of budget_gb or budget_bytes")
+    budget = int(budget_bytes if budget_bytes is not None else budget_gb * 2**30)
+    if budget <= 0:
+        raise ValueError(f"the budget must be positive, got {budget} bytes")
+    probes = []
+    from tf_remat._progress import bar
+
+    progress = bar(None, "max-batch", verbose)
+
+    def fits(batch, remat):
+        peak, secs = _probe(build, batch, budget, remat=remat, strategy=strategy,
+                            time_limit=time_limit, verbose=verbose)
+        ok = peak is not None and peak <= budget
+        probes.append({"batch": batch, "remat": remat, "peak_bytes": peak, "fits": ok,
+                       "seconds": round(secs, 2)})
+        progress.update(f"{'remat' if remat else 'plain'} batch {batch}: "
+                        + (f"peak {format_bytes(peak)}" if peak is not None else "no plan")
+                        + (" fits" if ok else " over"))
+        return ok
+
+    plain = _search(lambda b: fits(b, False), start, max_batch)
+    remat = _search(lambda b: fits(b, True), max(start, plain or start), max_batch)
+    remat = max(remat, plain)
+    progress.close()
+    result = MaxBatchResult(plain, remat, budget, probes)
+    if verbose:
+        ratio = f"{result.ratio:.2f}x" if result.ratio else "n/a"
+        print(f"budget {format_bytes(budget)}: plain batch {plain}, with rematerialization "
+              f"{remat} ({ratio})")
+    return result
+
+
+def _search(fits, start, limit) -> int:
+    """Largest b in [1, limit] with fits(b), assuming monotone; doubling then bisection."""
+    lo, hi = 0, None
+    b = start
+    while b <= limit:
+        if fits(b):
+            lo = b
+            b *= 2
+        else:
+            hi = b
+            break
+    if lo == 0:
+        if start == 1:
+            return 0
+        return _search(fits, 1, start - 1)
+    if hi is None:
+        return lo
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
