@@ -175,6 +175,29 @@ def cmd_max_batch(args) -> int:
     return 0
 
 
+def cmd_extract(args) -> int:
+    import time
+
+    from tf_remat.extract import extract, op_map_path
+    from tf_remat.zoo import model_specs
+
+    t0 = time.perf_counter()
+    model, input_spec, label_spec = model_specs(args.model, batch_size=args.batch,
+                                                input_size=args.input,
+                                                num_classes=args.classes)
+    ex = extract(model, input_spec=input_spec, label_spec=label_spec,
+                 cost_model=args.cost_model, verbose=0 if args.quiet else 1)
+    out = args.output or f"{ex.graph.name}.json"
+    ex.save(out)
+    g, info = ex.graph, ex.info
+    print(f"{g.name}: {info['ops']} ops -> {g.n} nodes, {len(g.edges)} edges; no-remat peak "
+          f"{g.no_remat_peak} B ({format_bytes(g.no_remat_peak)}), fixed "
+          f"{format_bytes(g.fixed_memory)}, total cost {g.total_cost:.4g} s "
+          f"({args.cost_model}); {time.perf_counter() - t0:.1f} s")
+    print(f"wrote {out} and {op_map_path(out)}")
+    return 0
+
+
 def cmd_demo(args) -> int:
     from tf_remat.demo import run_demo
 
@@ -270,6 +293,20 @@ def _build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true",
                    help='one line {"plain_batch", "remat_batch", "budget_bytes"}')
     s.set_defaults(func=cmd_max_batch)
+
+    s = sub.add_parser("extract", help="trace a zoo model's training step into a graph file")
+    s.add_argument("--model", required=True, help="zoo model: vgg16, vgg19, mobilenet, "
+                   "resnet50, unet, fcn8, segnet, transformer, bn_cnn")
+    s.add_argument("--batch", type=int, default=8, help="batch size")
+    s.add_argument("--input", default=None, help="input size HxW (sequence length for "
+                                                 "transformer); default: the model's")
+    s.add_argument("--classes", type=int, default=None, help="output classes")
+    s.add_argument("--cost-model", default="profile", choices=("profile", "flops"),
+                   help="profile: measure each node here (cached); flops: estimate")
+    s.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+    s.add_argument("-o", "--output", help="graph JSON to write (default <model>_b<batch>.json);"
+                                          " the op map goes beside it as .ops.json")
+    s.set_defaults(func=cmd_extract)
 
     s = sub.add_parser("demo", help="the main job on a bundled example")
     s.add_argument("--graph", default=None,

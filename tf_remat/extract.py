@@ -1,0 +1,1090 @@
+"""Keras training step -> costed, solver-sized :class:`~tf_remat.graph.Graph` (+ the op map).
+
+Pipeline::
+
+    trace_training_step  one training step (forward under GradientTape, gradients, optimizer
+                         update) traced as a tf.function; its op graph is read back
+    _classify            live ops (those that reach the step's outputs or side effects) split into
+                         node ops (batch-dependent: reachable from the input batch / labels, a
+                         random op or a side effect) and fixed ops (variable reads, constants,
+                         shape arithmetic over static shapes, scalar optimizer arithmetic)
+    _group               node ops grouped into solver nodes: fused pairs, views, in-place
+                         element-wise chains and small values merged, never a merge that makes a
+                         cycle
+    _account             buffers (views alias their input's buffer), node memory = bytes of the
+                         buffers a node creates that a later node reads, edges, fixed memory
+    profile              node costs (tf_remat.profile): measured, or estimated from FLOPs
+
+Memory model (what the simulator sees, checked against ``tf.config.experimental.get_memory_info``
+on CPU): a node's memory is the bytes of the buffers its ops allocate that outlive the node (read by
+another node, or returned). Views (Reshape, Identity, Squeeze, ...) allocate nothing: a reader of a
+view also gets an edge from the node that owns the buffer, so the buffer stays resident until its
+last reader. An element-wise op that is the only reader of its input runs in place in TensorFlow
+(the kernel forwards the input buffer), so it is merged with the input's producer and the pair
+costs one buffer. ``fixed_memory`` is every variable the step captures (weights, optimizer slots,
+BatchNorm statistics, RNG state, the iteration counter), the input batch and labels, and the live
+outputs of fixed ops that are not views (constants, casts of weights).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import os
+import re
+from typing import Any, Sequence
+
+from tf_remat.errors import RematError, UnsupportedOpError
+from tf_remat.graph import Graph
+
+__all__ = [
+    "TracedStep",
+    "OpMap",
+    "Extraction",
+    "trace_training_step",
+    "extract",
+    "extract_graph",
+    "op_map_path",
+    "measure_step",
+]
+
+OPMAP_FORMAT = "tf-remat-opmap"
+_CPU_UNTRACKED_BELOW = 256 << 10  # see counted_bytes
+_MAX_OPS = 48  # small-value merging never makes a node of more ops than this
+OPMAP_VERSION = 1
+
+# --------------------------------------------------------------------- op tables
+#: outputs alias an input's buffer (output i -> input _VIEW_INPUT.get(type, 0), IdentityN: i -> i)
+VIEW_OPS = frozenset({
+    "Identity", "IdentityN", "Snapshot", "StopGradient", "PreventGradient", "Reshape",
+    "Squeeze", "ExpandDims", "EnsureShape", "CheckNumerics", "CheckNumericsV2",
+    "DebugIdentity", "DebugIdentityV2",
+})
+#: ops whose value depends only on the static shape of their inputs (constant-folded by Grappler)
+SHAPE_OPS = frozenset({"Shape", "ShapeN", "Size", "Rank", "BroadcastArgs"})
+#: element-wise kernels that forward (reuse) an input buffer when they are its last reader
+INPLACE_OPS = frozenset({
+    "Relu", "Relu6", "Elu", "Selu", "LeakyRelu", "Sigmoid", "Tanh", "Softplus", "Softsign",
+    "Neg", "Abs", "Exp", "Expm1", "Log", "Log1p", "Sqrt", "Rsqrt", "Square", "Reciprocal",
+    "Inv", "Sign", "Floor", "Ceil", "Round", "Erf", "Erfc", "Sin", "Cos", "Mish",
+    "Mul", "Add", "AddV2", "Sub", "RealDiv", "Div", "DivNoNan", "MulNoNan", "Maximum",
+    "Minimum", "SquaredDifference", "Pow", "FloorDiv", "FloorMod", "BiasAdd", "AddN",
+    "ReluGrad", "Relu6Grad", "EluGrad", "SeluGrad", "LeakyReluGrad", "SigmoidGrad",
+    "TanhGrad", "SoftplusGrad", "SoftsignGrad", "RsqrtGrad", "SqrtGrad", "ReciprocalGrad",
+    "InvGrad", "Select", "SelectV2", "ClipByValue", "BiasAddV1", "GeluGrad", "Gelu",
+})
+#: contractions the oneDNN / Grappler remapper fuses with a following BiasAdd (+ Add) (+ act.)
+CONTRACTION_OPS = frozenset({
+    "Conv2D", "Conv3D", "DepthwiseConv2dNative", "MatMul", "BatchMatMul", "BatchMatMulV2",
+    "BatchMatMulV3", "_FusedConv2D", "_FusedMatMul",
+})
+#: activations fused after a contraction / batch norm
+ACTIVATION_OPS = frozenset({
+    "Relu", "Relu6", "Elu", "LeakyRelu", "Tanh", "Sigmoid", "Selu", "Softplus", "Mish", "Gelu",
+})
+FUSED_BN_OPS = frozenset({"FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3"})
+FUSED_BN_GRAD_OPS = frozenset({"FusedBatchNormGrad", "FusedBatchNormGradV2",
+                               "FusedBatchNormGradV3"})
+#: gradient ops of a weight that oneDNN computes together with BiasAddGrad of the same dy
+WEIGHT_GRAD_OPS = frozenset({"Conv2DBackpropFilter", "Conv3DBackpropFilterV2",
+                             "DepthwiseConv2dNativeBackpropFilter", "MatMul",
+                             "Conv2DBackpropFilterV2"})
+#: side effects: run exactly once (never recomputed)
+SIDE_EFFECT_OPS = frozenset({
+    "AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp", "AssignVariableXlaConcatND",
+    "RngSkip", "RngReadAndSkip", "StatefulUniform", "StatefulUniformFullInt",
+    "StatefulUniformInt", "StatefulStandardNormal", "StatefulStandardNormalV2",
+    "StatefulTruncatedNormal", "StatefulRandomBinomial", "RandomUniform", "RandomUniformInt",
+    "RandomStandardNormal", "TruncatedNormal", "RandomGamma", "RandomPoisson",
+    "RandomPoissonV2", "RandomShuffle", "Multinomial", "ParameterizedTruncatedNormal",
+    "Print", "PrintV2", "WriteScalarSummary", "WriteSummary", "WriteHistogramSummary",
+    "DestroyResourceOp", "AnonymousSeedGenerator",
+})
+_SIDE_EFFECT_RE = re.compile(r"^(ResourceApply|ResourceSparseApply|ResourceScatter|Assign|"
+                             r"TensorArrayWrite|TensorArrayScatter|Stack(Push|Pop))")
+#: random-number ops (their outputs are per-step values, so they are node ops)
+_RANDOM_RE = re.compile(r"(Random|Multinomial|TruncatedNormal|Shuffle)")
+_NOT_RANDOM = frozenset({"StatelessRandomGetKeyCounter", "StatelessRandomGetAlg",
+                         "StatelessRandomGetKeyCounterAlg", "RandomDataset"})
+#: stateful-registered ops that are safe to run again (they read, they do not write)
+_HARMLESS_STATEFUL = frozenset({
+    "ReadVariableOp", "VarHandleOp", "Placeholder", "Assert", "VarIsInitializedOp",
+    "ResourceGather", "ResourceGatherNd", "NoOp",
+})
+
+
+# --------------------------------------------------------------------- public types
+@dataclasses.dataclass
+class TracedStep:
+    """One traced training step.
+
+    Attributes:
+        function: the concrete function ``step(x, y)``; it returns the loss (and applies the
+            optimizer update) when ``apply_updates`` is True, else ``(loss, *grads)`` with grads
+            aligned with ``model.trainable_variables`` (zeros where a variable gets none).
+        graph_def: ``function.graph.as_graph_def()``.
+        model, loss_fn, optimizer: what the step uses (``loss_fn(y, y_pred)``; when the model's
+            compiled loss is used, ``loss_fn`` is ``model.compute_loss``).
+        input_spec, label_spec: the fixed-shape specs the step was traced with.
+        variables: every ``tf.Variable`` the step captures (weights, optimizer slots, iterations,
+            BatchNorm statistics, RNG state), in capture order.
+        apply_updates: whether the step applies the optimizer update.
+        captures: op name of each resource placeholder in ``function.graph`` -> its variable.
+        input_ops, label_ops: names of the placeholders of x and y in ``function.graph``.
+        phase_marks: op ids (``op._id``) where the forward pass ended (loss computed) and where
+            the gradients ended; ops after the second mark belong to the optimizer.
+    """
+
+    function: Any
+    graph_def: Any
+    model: Any
+    loss_fn: Any
+    optimizer: Any
+    input_spec: Any
+    label_spec: Any
+    variables: list
+    apply_updates: bool = True
+    captures: dict = dataclasses.field(default_factory=dict)
+    input_ops: tuple = ()
+    label_ops: tuple = ()
+    phase_marks: tuple = (0, 0)
+
+
+@dataclasses.dataclass
+class OpMap:
+    """Node id -> the TensorFlow ops (names in ``traced.function.graph``) it runs, in order.
+
+    Attributes:
+        nodes: per node, its op names in a topological order (fused pairs adjacent).
+        fixed_ops: live ops in no node: variable reads, constants, shape arithmetic over static
+            shapes, scalar optimizer arithmetic, variable handles, the inputs' placeholders.
+            They depend only on each other, never on a node op.
+        dead_ops: ops that reach neither an output nor a side effect (TensorFlow prunes them).
+        sink_ops: NoOps that only gather the step's side effects as control inputs of its
+            returned tensors (plumbing: a rewritten step makes its own).
+        outputs: the step's output tensor names, in order.
+        buffers: per node, ``[tensor name, bytes]`` for each buffer counted in its memory.
+    """
+
+    nodes: tuple
+    fixed_ops: tuple = ()
+    dead_ops: tuple = ()
+    sink_ops: tuple = ()
+    outputs: tuple = ()
+    buffers: tuple = ()
+
+    def __post_init__(self):
+        self.sink_ops = tuple(map(str, self.sink_ops))
+        self.nodes = tuple(tuple(str(o) for o in ops) for ops in self.nodes)
+        self.fixed_ops = tuple(map(str, self.fixed_ops))
+        self.dead_ops = tuple(map(str, self.dead_ops))
+        self.outputs = tuple(map(str, self.outputs))
+        self.buffers = tuple(tuple((str(t), int(b)) for t, b in bufs) for bufs in self.buffers)
+
+    @property
+    def n(self) -> int:
+        return len(self.nodes)
+
+    def node_of(self) -> dict:
+        """Op name -> node id."""
+        return {op: i for i, ops in enumerate(self.nodes) for op in ops}
+
+    def to_dict(self) -> dict:
+        return {"format": OPMAP_FORMAT, "version": OPMAP_VERSION,
+                "nodes": [list(ops) for ops in self.nodes], "fixed_ops": list(self.fixed_ops),
+                "dead_ops": list(self.dead_ops), "sink_ops": list(self.sink_ops),
+                "outputs": list(self.outputs),
+                "buffers": [[list(b) for b in bufs] for bufs in self.buffers]}
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the op map as JSON (by convention ``<graph>.ops.json`` beside the graph)."""
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f, separators=(",", ":"))
+            f.write("\n")
+
+    @classmethod
+    def from_dict(cls, doc: dict) -> "OpMap":
+        if not isinstance(doc, dict) or doc.get("format") != OPMAP_FORMAT:
+            raise RematError(f"not an op map document (expected format {OPMAP_FORMAT!r})")
+        return cls(nodes=doc["nodes"], fixed_ops=doc.get("fixed_ops", ()),
+                   dead_ops=doc.get("dead_ops", ()), sink_ops=doc.get("sink_ops", ()),
+                   outputs=doc.get("outputs", ()),
+                   buffers=doc.get("buffers", ()))
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "OpMap":
+        try:
+            with open(path) as f:
+                return cls.from_dict(json.load(f))
+        except FileNotFoundError as exc:
+            raise RematError(f"op map file {os.fspath(path)!r} does not exist") from exc
+
+
+@dataclasses.dataclass
+class Extraction:
+    """What :func:`extract` returns: the solver graph, its op map and the traced step.
+
+    ``info`` holds facts for reports: op counts, profiling time, cost model, cache hits.
+    """
+
+    graph: Graph
+    op_map: OpMap
+    traced: TracedStep
+    info: dict = dataclasses.field(default_factory=dict)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the graph JSON to ``path`` and the op map beside it (:func:`op_map_path`)."""
+        self.graph.save(path)
+        self.op_map.save(op_map_path(path))
+
+
+def op_map_path(graph_path: str | os.PathLike) -> str:
+    """``model.json`` -> ``model.ops.json`` (where the op map of a saved graph lives)."""
+    path = os.fspath(graph_path)
+    root = path[:-5] if path.endswith(".json") else path
+    return root + ".ops.json"
+
+
+# --------------------------------------------------------------------- public API
+def trace_training_step(model, input_spec, label_spec, *, loss=None, optimizer=None,
+                        apply_updates: bool = True) -> TracedStep:
+    """Trace one training step of ``model`` as a ``tf.function`` with fixed input shapes.
+
+    Args:
+        model: a built (or buildable) Keras 3 model, TensorFlow backend.
+        input_spec, label_spec: ``tf.TensorSpec`` (or nested structures of them) of the input
+            batch and the labels; every dimension, the batch one included, must be known.
+        loss: a Keras loss (name, object or callable ``loss(y_true, y_pred)``); default: the
+            model's compiled loss (``model.compute_loss``, regularization losses included).
+        optimizer: a Keras optimizer or its name; default: the model's compiled optimizer.
+        apply_updates: trace the optimizer update too (the step returns the loss) or not (the
+            step returns ``(loss, *grads)``).
+
+    Returns:
+        A :class:`TracedStep`. Nothing is run, and no variable changes value.
+
+    Raises:
+        UnsupportedOpError: a spec has an unknown dimension, or the model has no loss /
+            optimizer to train with.
+
+    Example:
+        >>> traced = trace_training_step(model, tf.TensorSpec((8, 32, 32, 3)),
+        ...                              tf.TensorSpec((8,), tf.int32))  # doctest: +SKIP
+    """
+    import tensorflow as tf
+    import keras
+
+    _check_spec(input_spec, "input_spec")
+    _check_spec(label_spec, "label_spec")
+    if not model.built:
+        model.build(tf.nest.map_structure(lambda s: s.shape, input_spec))
+    loss_fn, compiled_loss = _resolve_loss(model, loss)
+    if optimizer is None:
+        optimizer = getattr(model, "optimizer", None)
+        if optimizer is None:
+            if apply_updates:
+                raise UnsupportedOpError(
+                    "no optimizer: pass optimizer=... or compile the model with one "
+                    "(model.compile(optimizer='adam', loss=...))")
+    elif not isinstance(optimizer, keras.optimizers.Optimizer):
+        optimizer = keras.optimizers.get(optimizer)
+    trainable = list(model.trainable_variables)
+    if not trainable:
+        raise UnsupportedOpError("the model has no trainable variables; nothing to train")
+    if optimizer is not None and not optimizer.built:
+        optimizer.build(trainable)
+
+    marks = {}
+
+    def _n_ops():
+        ops_now = tf.compat.v1.get_default_graph().get_operations()
+        return max((op._id for op in ops_now), default=0)  # noqa: SLF001 (ids are monotone)
+
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            y_pred = model(x, training=True)
+            if compiled_loss:
+                value = model.compute_loss(x=x, y=y, y_pred=y_pred, training=True)
+            else:
+                value = loss_fn(y, y_pred)
+                if model.losses:
+                    value = value + tf.add_n([tf.cast(v, value.dtype) for v in model.losses])
+            scaled = optimizer.scale_loss(value) if (
+                optimizer is not None and hasattr(optimizer, "scale_loss")) else value
+        marks["forward"] = _n_ops()
+        grads = tape.gradient(scaled, trainable)
+        marks["backward"] = _n_ops()
+        if apply_updates:
+            pairs = [(g, v) for g, v in zip(grads, trainable) if g is not None]
+            optimizer.apply_gradients(pairs)
+            return value
+        grads = [tf.zeros_like(v) if g is None else g for g, v in zip(grads, trainable)]
+        return (value, *grads)
+
+    fn = tf.function(step, autograph=False)
+    try:
+        concrete = fn.get_concrete_function(input_spec, label_spec)
+    except (TypeError, ValueError) as exc:
+        raise UnsupportedOpError(f"tracing the training step failed: {exc}") from exc
+    graph = concrete.graph
+    handles = {id(v.handle): v for v in concrete.variables if hasattr(v, "handle")}
+    captures = {}
+    for external, internal in graph.captures:
+        var = handles.get(id(external))
+        if var is not None:
+            captures[internal.op.name] = var
+    placeholders = [t.op.name for t in graph.inputs[:len(tf.nest.flatten(input_spec))
+                                                    + len(tf.nest.flatten(label_spec))]]
+    n_x = len(tf.nest.flatten(input_spec))
+    return TracedStep(function=concrete, graph_def=graph.as_graph_def(), model=model,
+                      loss_fn=loss_fn, optimizer=optimizer, input_spec=input_spec,
+                      label_spec=label_spec, variables=list(concrete.variables),
+                      apply_updates=apply_updates, captures=captures,
+                      input_ops=tuple(placeholders[:n_x]), label_ops=tuple(placeholders[n_x:]),
+                      phase_marks=(marks.get("forward", 0), marks.get("backward", 0)))
+
+
+def extract(model, *, input_spec, label_spec, loss=None, optimizer=None,
+            cost_model: str = "profile", batch_size: int | None = None, verbose: int = 1,
+            apply_updates: bool = True, name: str | None = None) -> Extraction:
+    """Trace a training step and turn it into a costed solver :class:`Graph` plus its op map.
+
+    Args:
+        model, input_spec, label_spec, loss, optimizer, apply_updates: as in
+            :func:`trace_training_step`.
+        cost_model: ``"profile"`` (each node's ops measured on the current device, GPU if
+            TensorFlow sees one, cached on disk; see :mod:`tf_remat.profile`) or ``"flops"`` (an
+            estimate from FLOPs and bytes moved, no measurement; coarse, for machines where
+            profiling is not wanted).
+        batch_size: if given, replaces the first dimension of both specs.
+        verbose: 0 silent, 1 a progress bar while profiling.
+        name: the graph's name (default: the model's name and batch size).
+
+    Returns:
+        An :class:`Extraction` (``graph``, ``op_map``, ``traced``, ``info``).
+
+    Raises:
+        UnsupportedOpError: an unknown dimension (the message names the tensor), or an op whose
+            output shape TensorFlow cannot infer statically.
+    """
+    import time
+
+    if batch_size is not None:
+        input_spec = _with_batch(input_spec, batch_size)
+        label_spec = _with_batch(label_spec, batch_size)
+    if cost_model not in ("profile", "flops"):
+        raise ValueError(f"cost_model must be 'profile' or 'flops', got {cost_model!r}")
+    t0 = time.perf_counter()
+    traced = trace_training_step(model, input_spec, label_spec, loss=loss, optimizer=optimizer,
+                                 apply_updates=apply_updates)
+    t1 = time.perf_counter()
+    analysis = _Analysis(traced)
+    op_map, graph_fields = analysis.build()
+    t2 = time.perf_counter()
+    from tf_remat import profile as _profile
+
+    if cost_model == "profile":
+        costs, pinfo = _profile.profile_nodes(traced, op_map, verbose=verbose)
+    else:
+        costs, pinfo = _profile.flops_costs(traced, op_map)
+    t3 = time.perf_counter()
+    batch = _first_dim(input_spec)
+    gname = name or f"{_safe_name(model.name)}_b{batch}"
+    graph = Graph(cost=costs, name=gname, **graph_fields)
+    info = {"ops": len(traced.function.graph.get_operations()),
+            "node_ops": sum(len(o) for o in op_map.nodes), "fixed_ops": len(op_map.fixed_ops),
+            "dead_ops": len(op_map.dead_ops), "nodes": graph.n, "edges": len(graph.edges),
+            "trace_seconds": t1 - t0, "group_seconds": t2 - t1, "cost_seconds": t3 - t2,
+            "cost_model": cost_model, **pinfo}
+    return Extraction(graph=graph, op_map=op_map, traced=traced, info=info)
+
+
+def extract_graph(model, *, input_spec, label_spec, loss=None, optimizer=None,
+                  cost_model: str = "profile", verbose: int = 1) -> Graph:
+    """The solver :class:`Graph` of one training step of ``model`` (see :func:`extract`).
+
+    Costs are in seconds, memory in bytes; ``graph.save(path)`` writes the native JSON.
+
+    Example:
+        >>> g = tf_remat.extract_graph(model, input_spec=tf.TensorSpec((8, 224, 224, 3)),
+        ...                            label_spec=tf.TensorSpec((8,), tf.int32))  # doctest: +SKIP
+        >>> g.no_remat_peak  # doctest: +SKIP
+    """
+    return extract(model, input_spec=input_spec, label_spec=label_spec, loss=loss,
+                   optimizer=optimizer, cost_model=cost_model, verbose=verbose).graph
+
+
+def measure_step(traced: TracedStep, *, runs: int = 5, x=None, y=None) -> dict:
+    """Run the traced step on random data; measured peak memory (bytes) and median step time.
+
+    The peak is ``tf.config.experimental.get_memory_info(device)['peak']`` after
+    ``reset_memory_stats`` around one step, on the device the step runs on ('GPU:0' if visible,
+    else 'CPU:0'): everything the allocator holds, the variables and the batch included.
+
+    Warning: with ``apply_updates`` the model's variables are updated ``runs + 2`` times.
+    """
+    import time
+
+    import numpy as np
+    import tensorflow as tf
+
+    device = "GPU:0" if tf.config.list_logical_devices("GPU") else "CPU:0"
+    if x is None:
+        x = _random_like(traced.input_spec, seed=1)
+    if y is None:
+        y = _random_like(traced.label_spec, seed=2, labels=_num_classes(traced))
+    fn = traced.function
+    out = fn(x, y)  # warm-up: kernels built, Grappler run
+    del out
+    times = []
+    for _ in range(runs):
+        t = time.perf_counter()
+        out = fn(x, y)
+        _ = tf.nest.map_structure(lambda a: a.numpy(), out)
+        times.append(time.perf_counter() - t)
+        del out
+    tf.config.experimental.reset_memory_stats(device)
+    before = tf.config.experimental.get_memory_info(device)["current"]
+    out = fn(x, y)
+    _ = tf.nest.map_structure(lambda a: a.numpy(), out)
+    del out
+    info = tf.config.experimental.get_memory_info(device)
+    return {"device": device, "peak_bytes": int(info["peak"]), "current_before": int(before),
+            "step_seconds": float(np.median(times)), "times": times}
+
+
+# --------------------------------------------------------------------- helpers
+def _check_spec(spec, what):
+    import tensorflow as tf
+
+    for i, s in enumerate(tf.nest.flatten(spec)):
+        if not isinstance(s, tf.TensorSpec):
+            raise UnsupportedOpError(f"{what} must be tf.TensorSpec(s), got {type(s).__name__}")
+        if not s.shape.is_fully_defined():
+            dims = [d for d, v in enumerate(s.shape.as_list() if s.shape.rank is not None
+                                            else [None]) if v is None]
+            raise UnsupportedOpError(
+                f"{what}{'' if i == 0 else f'[{i}]'} has shape {s.shape} with an unknown "
+                f"dimension {dims[0]}; tf-remat needs static shapes: give every dimension, the "
+                f"batch size included (e.g. tf.TensorSpec((32, ...)))")
+
+
+def _with_batch(spec, batch):
+    import tensorflow as tf
+
+    def fix(s):
+        shape = s.shape.as_list()
+        if not shape:
+            return s
+        return tf.TensorSpec([batch] + shape[1:], s.dtype, s.name)
+
+    return tf.nest.map_structure(fix, spec)
+
+
+def _first_dim(spec):
+    import tensorflow as tf
+
+    s = tf.nest.flatten(spec)[0]
+    return s.shape[0] if s.shape.rank else 1
+
+
+def _safe_name(name):
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", str(name)) or "model"
+
+
+def _resolve_loss(model, loss):
+    import keras
+
+    if loss is None:
+        if getattr(model, "_compile_loss", None) is not None or getattr(model, "loss", None):
+            return model.compute_loss, True
+        raise UnsupportedOpError("no loss: pass loss=... or compile the model with one "
+                                 "(model.compile(optimizer='adam', loss=...))")
+    if isinstance(loss, str) or isinstance(loss, dict):
+        loss = keras.losses.get(loss)
+    if not callable(loss):
+        raise UnsupportedOpError(f"loss {loss!r} is not callable")
+    return loss, False
+
+
+def _num_classes(traced):
+    """A label range that is valid for the step (the model's last dimension)."""
+    try:
+        shape = traced.model.outputs[0].shape
+        return int(shape[-1]) if shape[-1] else 2
+    except Exception:  # noqa: BLE001 (subclassed models have no .outputs)
+        return 2
+
+
+def _random_like(spec, *, seed, labels=None):
+    import numpy as np
+    import tensorflow as tf
+
+    rng = np.random.default_rng(seed)
+
+    def make(s):
+        shape = s.shape.as_list()
+        if s.dtype.is_integer:
+            return tf.constant(rng.integers(0, max(labels or 2, 1), size=shape), s.dtype)
+        if s.dtype.is_bool:
+            return tf.constant(rng.integers(0, 2, size=shape).astype(bool))
+        if labels is not None and len(shape) >= 1:  # float labels: a one-hot-like target
+            return tf.constant(rng.random(size=shape).astype(s.dtype.as_numpy_dtype))
+        return tf.constant(rng.standard_normal(size=shape).astype(s.dtype.as_numpy_dtype))
+
+    return tf.nest.map_structure(make, spec)
+
+
+def counted_bytes(nbytes: int, device: str = "CPU") -> int:
+    """Bytes an allocation adds to ``get_memory_info``: rounded up to 256 bytes; on CPU,
+    TensorFlow 2.21's allocator statistics leave out allocations under 256 KiB entirely."""
+    if nbytes <= 0:
+        return 0
+    if device == "CPU" and nbytes < _CPU_UNTRACKED_BELOW:
+        return 0
+    return -(-int(nbytes) // 256) * 256
+
+
+def current_device_kind() -> str:
+    """'GPU' when TensorFlow sees a GPU (the step runs there), else 'CPU'."""
+    import tensorflow as tf
+
+    return "GPU" if tf.config.list_logical_devices("GPU") else "CPU"
+
+
+def tensor_bytes(t) -> int:
+    """Bytes of a statically shaped tensor (0 for resources, variants, strings)."""
+    import tensorflow as tf
+
+    if t.dtype in (tf.resource, tf.variant, tf.string):
+        return 0
+    n = t.shape.num_elements()
+    return 0 if n is None else int(n) * t.dtype.size
+
+
+def _is_side_effect(op_type: str) -> bool:
+    return op_type in SIDE_EFFECT_OPS or bool(_SIDE_EFFECT_RE.match(op_type))
+
+
+def _is_random(op_type: str) -> bool:
+    return op_type not in _NOT_RANDOM and bool(_RANDOM_RE.search(op_type))
+
+
+def _non_recomputable(op) -> bool:
+    t = op.type
+    if _is_side_effect(t):
+        return True
+    try:
+        stateful = op.op_def.is_stateful
+    except Exception:  # noqa: BLE001 (ops without an OpDef: function calls)
+        stateful = False
+    return bool(stateful) and t not in _HARMLESS_STATEFUL and not t.startswith("Stateless")
+
+
+# --------------------------------------------------------------------- the analysis
+class _Analysis:
+    """Classification, grouping and memory accounting of one traced step."""
+
+    def __init__(self, traced: TracedStep, device: str | None = None):
+        self.traced = traced
+        self.device = device or current_device_kind()
+        self.fgraph = traced.function.graph
+        self.ops = list(self.fgraph.get_operations())
+        self.index = {op.name: i for i, op in enumerate(self.ops)}
+        self.n = len(self.ops)
+        # data inputs: list of (producer index, output index); consumers per tensor
+        self.inputs = []
+        self.consumers = collections.defaultdict(list)  # (i, k) -> [consumer op index]
+        self.ctrl_in = []
+        self.ctrl_out = collections.defaultdict(list)
+        for j, op in enumerate(self.ops):
+            ins = []
+            for t in op.inputs:
+                i = self.index[t.op.name]
+                ins.append((i, t.value_index))
+                self.consumers[(i, t.value_index)].append(j)
+            self.inputs.append(ins)
+            cins = [self.index[c.name] for c in op.control_inputs]
+            self.ctrl_in.append(cins)
+            for c in cins:
+                self.ctrl_out[c].append(j)
+        self.out_bytes = [[tensor_bytes(t) for t in op.outputs] for op in self.ops]
+        fwd, bwd = traced.phase_marks
+        self.phase = []
+        for op in self.ops:
+            oid = op._id  # noqa: SLF001
+            self.phase.append(0 if oid <= fwd else (1 if oid <= bwd else 2))
+
+    # ---------------------------------------------------------- classification
+    def classify(self):
+        ops, n = self.ops, self.n
+        out_ops = [self.index[t.op.name] for t in self.fgraph.outputs]
+        sinks = set(out_ops) | {self.index[o.name] for o in self.fgraph.control_outputs}
+        # live: ancestors of sinks through data and control edges
+        live = bytearray(n)
+        stack = list(sinks)
+        for s in stack:
+            live[s] = 1
+        while stack:
+            j = stack.pop()
+            for i, _ in self.inputs[j]:
+                if not live[i]:
+                    live[i] = 1
+                    stack.append(i)
+            for i in self.ctrl_in[j]:
+                if not live[i]:
+                    live[i] = 1
+                    stack.append(i)
+        placeholders = {self.index[name] for name in
+                        self.traced.input_ops + self.traced.label_ops}
+        self.placeholders = placeholders
+        seeds = set(placeholders)
+        for j in range(n):
+            if not live[j]:
+                continue
+            t = ops[j].type
+            if _is_side_effect(t) or _is_random(t):
+                seeds.add(j)
+            elif t in ("Const", "Placeholder", "VarHandleOp", "ReadVariableOp"):
+                continue
+            elif t not in VIEW_OPS and t not in SHAPE_OPS and \
+                    max(self.out_bytes[j], default=0) >= (1 << 20):
+                seeds.add(j)  # a large per-step value (a cast of a weight, a mask ...)
+        node = bytearray(n)
+        stack = []
+        for s in seeds:
+            if live[s] and s not in placeholders:
+                node[s] = 1
+            stack.append(s)
+        while stack:
+            i = stack.pop()
+            nxt = [c for k in range(len(ops[i].outputs)) for c in self.consumers[(i, k)]]
+            nxt += self.ctrl_out[i]
+            for j in nxt:
+                if node[j] or not live[j]:
+                    continue
+                if ops[j].type in SHAPE_OPS and self._static_inputs(j):
+                    continue  # a function of static shapes only: constant-folded
+                node[j] = 1
+                stack.append(j)
+        # NoOps that only gather side effects for the step's return are plumbing, not nodes
+        out_set = set(out_ops)
+        sink_set = set()
+        for j in range(n):
+            if ops[j].type == "NoOp" and live[j] and not any(
+                    c for k in range(len(ops[j].outputs)) for c in self.consumers[(j, k)]):
+                if all(c in out_set for c in self.ctrl_out[j]):
+                    sink_set.add(j)
+                    node[j] = 0
+        self.sink_set = sink_set
+        for j in range(n):
+            if self.ctrl_in[j] and sink_set.intersection(self.ctrl_in[j]):
+                self.ctrl_in[j] = [i for i in self.ctrl_in[j] if i not in sink_set]
+        self.live, self.node = live, node
+        self.out_ops = out_ops
+        # static shapes are required of every node op's outputs
+        for j in range(n):
+            if node[j]:
+                for t in ops[j].outputs:
+                    if not t.shape.is_fully_defined():
+                        raise UnsupportedOpError(
+                            f"tensor {t.name!r} (op {ops[j].type}) has shape {t.shape} with an "
+                            "unknown dimension even with the batch size fixed; tf-remat needs "
+                            "static shapes (ops like Where / Unique / dynamic slicing give "
+                            "data-dependent shapes)")
+
+    def _static_inputs(self, j):
+        return all(t.shape.is_fully_defined() for t in self.ops[j].inputs)
+
+    # ---------------------------------------------------------- buffers
+    def buffers(self):
+        """buffer[(i, k)] = (owner op index, output index) following views; -1 owner = fixed."""
+        ops = self.ops
+        buf = {}
+
+        def root(i, k):
+            key = (i, k)
+            seen = []
+            while key not in buf:
+                op = ops[key[0]]
+                if op.type in VIEW_OPS and op.inputs:
+                    src = self.inputs[key[0]][key[1] if op.type == "IdentityN" else 0]
+                    seen.append(key)
+                    key = src
+                    continue
+                buf[key] = key if self.node[key[0]] else None
+                break
+            r = buf[key]
+            for s in seen:
+                buf[s] = r
+            return r
+
+        for j in range(self.n):
+            if self.live[j]:
+                for k in range(len(ops[j].outputs)):
+                    root(j, k)
+        self.buf = buf
+        # real readers of each buffer: non-view live consumers of any alias, + step outputs
+        readers = collections.defaultdict(set)
+        for (i, k), r in buf.items():
+            if r is None:
+                continue
+            for c in self.consumers[(i, k)]:
+                if self.live[c] and ops[c].type not in VIEW_OPS:
+                    readers[r].add(c)
+        for t in self.fgraph.outputs:
+            r = buf.get((self.index[t.op.name], t.value_index))
+            if r is not None:
+                readers[r].add(-1)
+        self.readers = readers
+
+    # ---------------------------------------------------------- grouping
+    def group(self):
+        ops, node = self.ops, self.node
+        members = {j: [j] for j in range(self.n) if node[j]}
+        rep = {j: j for j in members}
+        succ = {j: set() for j in members}
+        pred = {j: set() for j in members}
+        for j in members:
+            for i, _ in self.inputs[j]:
+                if node[i] and i != j:
+                    succ[i].add(j)
+                    pred[j].add(i)
+            for i in self.ctrl_in[j]:
+                if node[i]:
+                    succ[i].add(j)
+                    pred[j].add(i)
+        # per group facts
+        big = {j: max((b for k, b in enumerate(self.out_bytes[j])
+                       if self.buf.get((j, k)) == (j, k)), default=0) for j in members}
+        stateful = {j: _non_recomputable(ops[j]) for j in members}
+        phase = {j: self.phase[j] for j in members}
+        largest = max(big.values(), default=0)
+        # groups holding a returned buffer stay resident to the end: keep them small
+        pinned = {j: False for j in members}
+        for t in self.fgraph.outputs:
+            r = self.buf.get((self.index[t.op.name], t.value_index))
+            if r is not None:
+                pinned[r[0]] = True
+        self.small_bytes = small = max(64 << 10, largest // 128)
+
+        def find(j):
+            r = rep[j]
+            while rep[r] != r:
+                r = rep[r]
+            rep[j] = r
+            return r
+
+        def path_exists(a, b, budget=20000):
+            """Is there a path a -> ... -> b of length >= 2 (through other groups)?"""
+            stack = [s for s in succ[a] if s != b]
+            seen = set(stack)
+            steps = 0
+            while stack:
+                g = stack.pop()
+                if g == b:
+                    return True
+                steps += 1
+                if steps > budget:
+                    return True  # too expensive to prove: refuse the merge
+                for s in succ[g]:
+                    if s not in seen:
+                        seen.add(s)
+                        stack.append(s)
+            return False
+
+        def can_merge(a, b):
+            if a == b:
+                return False
+            if b in succ[a]:
+                return succ[a] == {b} or pred[b] == {a} or not path_exists(a, b)
+            if a in succ[b]:
+                return succ[b] == {a} or pred[a] == {b} or not path_exists(b, a)
+            return not path_exists(a, b) and not path_exists(b, a)
+
+        def merge(a, b):
+            """Merge group b into group a."""
+            for s in succ.pop(b):
+                pred[s].discard(b)
+                if s != a:
+                    pred[s].add(a)
+                    succ[a].add(s)
+            for p in pred.pop(b):
+                succ[p].discard(b)
+                if p != a:
+                    succ[p].add(a)
+                    pred[a].add(p)
+            succ[a].discard(a)
+            pred[a].discard(a)
+            members[a].extend(members.pop(b))
+            rep[b] = a
+            big[a] = max(big[a], big.pop(b))
+            stateful[a] = stateful[a] or stateful.pop(b)
+            pinned[a] = pinned[a] or pinned.pop(b)
+            phase[a] = min(phase[a], phase.pop(b))
+
+        def try_merge(i, j, *, force=False):
+            a, b = find(i), find(j)
+            if a == b:
+                return True
+            if not can_merge(a, b):
+                if force:
+                    self.unfused.append((ops[i].name, ops[j].name))
+                return False
+            if a in succ[b]:
+                a, b = b, a
+            merge(a, b)
+            return True
+
+        self.unfused = []
+
+        def sole_reader(i, k, j):
+            r = self.buf.get((i, k))
+            return r is not None and self.readers.get(r) == {j}
+
+        def data_node_inputs(j):
+            return [(i, k) for i, k in self.inputs[j] if node[i]]
+
+        # 1. fusions the runtime performs: one node, never separated by a schedule
+        for j in list(members):
+            t = ops[j].type
+            ins = data_node_inputs(j)
+            if t in ("BiasAdd", "BiasAddV1") and ins:
+                i, k = self.inputs[j][0]
+                if node[i] and ops[i].type in CONTRACTION_OPS:
+                    try_merge(i, j, force=True)
+            elif t in ("Add", "AddV2") and len(ins) == 2:
+                for i, k in ins:
+                    if ops[i].type in ("BiasAdd",) and sole_reader(i, k, j) and \
+                            _same_shape(ops[i].outputs[k], ops[j].outputs[0]):
+                        src = self.inputs[i][0][0]
+                        if node[src] and ops[src].type in CONTRACTION_OPS:
+                            try_merge(i, j, force=True)
+                            break
+            elif t in ACTIVATION_OPS and ins:
+                i, k = self.inputs[j][0]
+                if node[i] and sole_reader(i, k, j) and (
+                        ops[i].type in ("BiasAdd", "Add", "AddV2") or
+                        ops[i].type in FUSED_BN_OPS or ops[i].type in CONTRACTION_OPS):
+                    if find(i) != i or ops[i].type in CONTRACTION_OPS or \
+                            ops[i].type in FUSED_BN_OPS:
+                        try_merge(i, j, force=True)
+            elif t == "Mul" and len(ins) == 2:  # swish: x * sigmoid(x)
+                (a, ka), (b, kb) = ins
+                for s, o in ((a, b), (b, a)):
+                    if ops[s].type == "Sigmoid" and self.inputs[s] and \
+                            self.inputs[s][0][0] == o:
+                        try_merge(s, j, force=True)
+            elif t == "BiasAddGrad" and ins:
+                dy = self.inputs[j][0]
+                for c in self.consumers[dy]:
+                    if c != j and node[c] and ops[c].type in WEIGHT_GRAD_OPS:
+                        if ops[c].type != "MatMul" or (
+                                ops[c].outputs[0].shape.rank == 2 and
+                                self.inputs[c][1] == dy):
+                            try_merge(c, j, force=True)
+                            break
+            elif t in ("Conv2D", "DepthwiseConv2dNative", "Conv3D") and ins:
+                i, k = self.inputs[j][0]
+                if node[i] and ops[i].type in ("Pad", "PadV2", "MirrorPad"):
+                    try_merge(i, j, force=True)
+            elif t in FUSED_BN_GRAD_OPS and ins:
+                i, k = self.inputs[j][0]
+                if node[i] and ops[i].type in ("ReluGrad", "Relu6Grad", "EluGrad"):
+                    try_merge(i, j, force=True)
+        # 0. constants made node ops only by a control input join that input's node
+        for j in list(members):
+            if ops[j].type == "Const" and self.ctrl_in[j]:
+                c = [i for i in self.ctrl_in[j] if node[i]]
+                if c:
+                    try_merge(c[0], j)
+        # 2. views join the node that owns their input (they allocate nothing)
+        for j in list(members):
+            if ops[j].type in VIEW_OPS and ops[j].type != "IdentityN":
+                ins = data_node_inputs(j)
+                if ins:
+                    try_merge(ins[0][0], j)
+        # 3. in-place element-wise chains: the reader is the input's only reader
+        for j in list(members):
+            if ops[j].type not in INPLACE_OPS or stateful[find(j)]:
+                continue
+            out = ops[j].outputs[0]
+            for i, k in self.inputs[j]:
+                r = self.buf.get((i, k))
+                if r is None or not node[i]:
+                    continue
+                if self.readers.get(r) == {j} and _same_size(ops[r[0]].outputs[r[1]], out):
+                    if not stateful[find(i)] and phase[find(i)] == self.phase[j] and \
+                            not pinned[find(i)] and not pinned[find(j)]:
+                        if try_merge(i, j):
+                            break
+        # 4. small values join a neighbour along a chain (no cycle possible), within a phase,
+        #    never making a node of more than _MAX_OPS ops; a stateful node absorbs only small
+        #    producers that exist for it alone
+        changed = True
+        while changed:
+            changed = False
+            for g in sorted(members):
+                if g not in members or big[g] > small:
+                    continue
+                target = None
+                for cand in ([next(iter(succ[g]))] if len(succ[g]) == 1 else []) + \
+                        ([next(iter(pred[g]))] if len(pred[g]) == 1 else []):
+                    if phase[cand] != phase[g]:
+                        continue
+                    if len(members[cand]) + len(members[g]) > _MAX_OPS:
+                        continue
+                    if (pinned[g] and big[cand] > small) or pinned[cand]:
+                        continue
+                    downstream = cand in succ[g]
+                    if stateful[g] != stateful[cand]:
+                        # only a small recomputable producer feeding a stateful node alone
+                        if not (stateful[cand] and downstream and succ[g] == {cand}):
+                            continue
+                    elif stateful[g] and big[cand] > small:
+                        continue
+                    target = cand
+                    break
+                if target is None:
+                    continue
+                a, b = (target, g) if target not in succ[g] else (g, target)
+                if target in succ[g]:
+                    a, b = g, target  # keep the upstream id as representative
+                merge(a, b)
+                changed = True
+        self.members, self.succ, self.pred = members, succ, pred
+        self.stateful = stateful
+
+    # ---------------------------------------------------------- accounting + graph
+    def build(self):
+        self.classify()
+        self.buffers()
+        self.group()
+        ops, node = self.ops, self.node
+        groups = list(self.members.values())
+        for g in groups:
+            g.sort()
+        # reference order: Kahn's algorithm, ties broken by the first op's creation order
+        gid_of_rep = {}
+        reps = list(self.members)
+        for gi, r in enumerate(reps):
+            gid_of_rep[r] = gi
+        op_group = {}
+        for gi, r in enumerate(reps):
+            for j in self.members[r]:
+                op_group[j] = gi
+        first = [self.members[r][0] for r in reps]
+        import heapq
+
+        indeg = [len(self.pred[r]) for r in reps]
+        heap = [(first[gi], gi) for gi in range(len(reps)) if indeg[gi] == 0]
+        heapq.heapify(heap)
+        order_old = []
+        while heap:
+            _, gi = heapq.heappop(heap)
+            order_old.append(gi)
+            for s in self.succ[reps[gi]]:
+                sg = gid_of_rep[s]
+                indeg[sg] -= 1
+                if indeg[sg] == 0:
+                    heapq.heappush(heap, (first[sg], sg))
+        if len(order_old) != len(reps):
+            raise RematError("internal error: grouping produced a cycle")
+        new_id = {gi: k for k, gi in enumerate(order_old)}  # ids follow the reference order
+        n = len(reps)
+        node_ops = [None] * n
+        for gi in range(n):
+            node_ops[new_id[gi]] = self.members[reps[gi]]
+        op_node = {j: new_id[g] for j, g in op_group.items()}
+        # edges: data/control dependencies + buffer-owner edges for readers of views
+        edges = set()
+        memory = [0] * n
+        buffers = [[] for _ in range(n)]
+        counted = set()
+        for v in range(n):
+            for j in node_ops[v]:
+                for (i, k) in self.inputs[j]:
+                    if node[i] and op_node[i] != v:
+                        edges.add((op_node[i], v))
+                    r = self.buf.get((i, k))
+                    if r is not None and op_node[r[0]] != v:
+                        edges.add((op_node[r[0]], v))
+                        if ops[j].type not in VIEW_OPS and r not in counted:
+                            counted.add(r)
+                for i in self.ctrl_in[j]:
+                    if node[i] and op_node[i] != v:
+                        edges.add((op_node[i], v))
+        outputs = []
+        for t in self.fgraph.outputs:
+            i = self.index[t.op.name]
+            r = self.buf.get((i, t.value_index))
+            if r is not None:
+                counted.add(r)
+                outputs.append(op_node[r[0]])
+            if node[i]:
+                outputs.append(op_node[i])
+        dev = self.device
+        for r in counted:
+            v = op_node[r[0]]
+            b = counted_bytes(self.out_bytes[r[0]][r[1]], dev)
+            memory[v] += b
+            buffers[v].append((ops[r[0]].outputs[r[1]].name, b))
+        # fixed memory: variables, the batch, live non-view fixed outputs
+        fixed = 0
+        seen_vars = set()
+        for var in self.traced.variables:
+            key = id(var)
+            if key not in seen_vars:
+                seen_vars.add(key)
+                fixed += counted_bytes(int(var.shape.num_elements() or 0) * var.dtype.size,
+                                       dev)
+        for j in self.placeholders:
+            fixed += sum(counted_bytes(b, dev) for b in self.out_bytes[j])
+        fixed_ops, dead_ops, sink_ops = [], [], []
+        for j, op in enumerate(ops):
+            if node[j]:
+                continue
+            if j in self.sink_set:
+                sink_ops.append(op.name)
+                continue
+            if not self.live[j]:
+                dead_ops.append(op.name)
+                continue
+            fixed_ops.append(op.name)
+            if j in self.placeholders or op.type in VIEW_OPS or op.type in (
+                    "ReadVariableOp", "Placeholder", "VarHandleOp") or op.type in SHAPE_OPS:
+                continue
+            fixed += sum(counted_bytes(b, dev) for b in self.out_bytes[j])
+        backward = [all(self.phase[j] > 0 for j in node_ops[v]) for v in range(n)]
+        recomputable = [not any(_non_recomputable(ops[j]) for j in node_ops[v])
+                        for v in range(n)]
+        names = [_node_name(ops, node_ops[v]) for v in range(n)]
+        op_map = OpMap(nodes=[[ops[j].name for j in node_ops[v]] for v in range(n)],
+                       fixed_ops=fixed_ops, dead_ops=dead_ops, sink_ops=sink_ops,
+                       outputs=[t.name for t in self.fgraph.outputs], buffers=buffers)
+        fields = dict(memory=memory, edges=sorted(edges), order=list(range(n)),
+                      outputs=list(dict.fromkeys(outputs)), fixed_memory=fixed,
+                      backward=backward, recomputable=recomputable, names=names)
+        self.unfused_pairs = list(self.unfused)
+        return op_map, fields
+
+
+def _same_size(a, b) -> bool:
+    return a.dtype == b.dtype and a.shape.num_elements() == b.shape.num_elements()
+
+
+def _same_shape(a, b) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape
+
+
+def _node_name(ops, members) -> str:
+    """A readable name: the heaviest-looking op's name, shortened."""
+    def weight(j):
+        t = ops[j].type
+        return (t in CONTRACTION_OPS or t in WEIGHT_GRAD_OPS or "Backprop" in t,
+                sum(tensor_bytes(o) for o in ops[j].outputs))
+
+    j = max(members, key=weight)
+    name = ops[j].name
+    return f"{name}" if len(members) == 1 else f"{name}(+{len(members) - 1})"

@@ -1,0 +1,519 @@
+"""Node costs for an extracted graph: measured on this machine, or estimated from FLOPs.
+
+``cost_model="profile"`` (:func:`profile_nodes`): every node's ops are run in isolation on the
+current device (the GPU when TensorFlow sees one, else the CPU). For each distinct node signature
+(op types, attributes, input shapes and dtypes, the values of constant inputs) a small
+``tf.function`` is built from the node's NodeDefs, with placeholders for the inputs it reads from
+other nodes (filled with random values of the right shape and dtype: floats in [0.5, 1.5),
+integers 0 unless the value is static, e.g. a shape) and fresh variables for the variables it
+updates, so the model's own variables never change. It is run ``warmup`` times, then ``runs``
+times; the cost is the median minus the cost of calling an empty function with as many inputs.
+Identical signatures are measured once (a ResNet's repeated blocks cost one measurement), and
+results are cached on disk, keyed by the device, TensorFlow version, oneDNN setting and the
+signature, in ``$TF_REMAT_CACHE`` (default ``~/.cache/tf_remat``).
+
+``cost_model="flops"`` (:func:`flops_costs`): no measurement. Each op costs
+``flops / FLOP_RATE + bytes_moved / BANDWIDTH + OP_OVERHEAD`` with rough constants for a CPU
+core pair or a GPU (contractions counted exactly, everything else as memory traffic). It ranks
+nodes sensibly but its absolute seconds can be off by 2x or more; use it where profiling is not
+wanted (CI, a machine busy with other work) and ``profile`` for real plans.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+
+__all__ = ["profile_nodes", "flops_costs", "cache_dir", "device_key", "node_signature"]
+
+_CACHE_VERSION = 1
+#: rough throughput constants of the ``flops`` cost model, per device kind
+FLOPS_MODEL = {
+    "CPU": {"flop_rate": 60e9, "bandwidth": 8e9, "op_overhead": 4e-6},
+    "GPU": {"flop_rate": 15e12, "bandwidth": 1.0e12, "op_overhead": 8e-6},
+}
+_MIN_OP_SECONDS = 1e-6  # a profiled node never costs less than this per op
+
+
+def cache_dir() -> str:
+    """Where profiles are cached: ``$TF_REMAT_CACHE`` or ``~/.cache/tf_remat``."""
+    return os.environ.get("TF_REMAT_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "tf_remat")
+
+
+def device_key() -> str:
+    """What a cached cost depends on besides the node: device, TF version, oneDNN, threads."""
+    import tensorflow as tf
+
+    gpus = tf.config.list_logical_devices("GPU")
+    if gpus:
+        try:
+            details = tf.config.experimental.get_device_details(
+                tf.config.list_physical_devices("GPU")[0])
+            dev = "GPU:" + str(details.get("device_name", "gpu"))
+        except Exception:  # noqa: BLE001
+            dev = "GPU"
+    else:
+        dev = "CPU:" + _cpu_model() + f":{os.cpu_count()}cores"
+    onednn = os.environ.get("TF_ENABLE_ONEDNN_OPTS", "default")
+    threads = (tf.config.threading.get_inter_op_parallelism_threads(),
+               tf.config.threading.get_intra_op_parallelism_threads())
+    return f"{dev}|tf{tf.__version__}|onednn={onednn}|threads={threads}"
+
+
+def profile_nodes(traced, op_map, *, verbose: int = 1, runs: int = 5, warmup: int = 2,
+                  cache: bool = True, directory: str | None = None):
+    """Measure each node of ``op_map`` on the current device.
+
+    Returns:
+        ``(costs, info)``: seconds per node, and facts (``profile_seconds``, ``signatures``,
+        ``measured``, ``cache_hits``, ``profile_failures``, ``device``).
+    """
+    import tensorflow as tf
+
+    t0 = time.perf_counter()
+    fgraph = traced.function.graph
+    dkey = device_key()
+    path = os.path.join(directory or cache_dir(),
+                        "costs-" + hashlib.sha1(dkey.encode()).hexdigest()[:16] + ".json")
+    table = _load_cache(path) if cache else {}
+    specs, sigs = [], []
+    for ops in op_map.nodes:
+        spec = _NodeSpec(fgraph, ops, traced)
+        specs.append(spec)
+        sigs.append(spec.signature)
+    unique = list(dict.fromkeys(sigs))
+    todo = [s for s in unique if s not in table]
+    first = {}
+    for spec in specs:
+        first.setdefault(spec.signature, spec)
+    bar = None
+    if verbose and todo:
+        import keras
+
+        print(f"profiling {len(todo)} node signatures ({len(unique) - len(todo)} cached, "
+              f"{len(specs)} nodes) on {dkey.split('|')[0]}")
+        bar = keras.utils.Progbar(len(todo), unit_name="signature")
+    failures = []
+    overhead = _Overhead()
+    fresh = {}
+    last_save = time.perf_counter()
+    for k, sig in enumerate(todo):
+        spec = first[sig]
+        try:
+            seconds = spec.measure(runs=runs, warmup=warmup, overhead=overhead)
+        except Exception as exc:  # noqa: BLE001 (one odd node must not stop the profile)
+            failures.append(f"{spec.ops[0]}: {type(exc).__name__}: {str(exc)[:200]}")
+            seconds = None
+        if seconds is not None:
+            table[sig] = seconds
+            fresh[sig] = seconds
+        if bar is not None:
+            bar.update(k + 1)
+        if cache and fresh and time.perf_counter() - last_save > 30:
+            _save_cache(path, dkey, table)
+            last_save = time.perf_counter()
+    if cache and fresh:
+        _save_cache(path, dkey, table)
+    est = None
+    costs = []
+    for spec, sig in zip(specs, sigs):
+        c = table.get(sig)
+        if c is None:  # the node could not be run alone: fall back to the estimate
+            if est is None:
+                est = _FlopsModel()
+            c = est.node_cost(spec.op_objs)
+        costs.append(max(float(c), _MIN_OP_SECONDS * len(spec.ops)))
+    del tf
+    return costs, {"profile_seconds": time.perf_counter() - t0, "signatures": len(unique),
+                   "measured": len(fresh), "cache_hits": len(unique) - len(todo),
+                   "profile_failures": failures, "device": dkey, "cache_file": path}
+
+
+def flops_costs(traced, op_map):
+    """Estimated seconds per node from FLOPs and bytes moved (no measurement).
+
+    Returns:
+        ``(costs, info)``.
+    """
+    fgraph = traced.function.graph
+    model = _FlopsModel()
+    costs = [model.node_cost([fgraph.get_operation_by_name(n) for n in ops])
+             for ops in op_map.nodes]
+    return costs, {"flops_model": dict(model.constants), "device_kind": model.kind}
+
+
+def node_signature(traced, ops) -> str:
+    """The cache key of one node (op types, attributes, shapes, constant inputs)."""
+    return _NodeSpec(traced.function.graph, ops, traced).signature
+
+
+# --------------------------------------------------------------------- implementation
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _load_cache(path):
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+        if doc.get("version") == _CACHE_VERSION:
+            return dict(doc.get("costs", {}))
+    except (OSError, ValueError):
+        pass
+    return {}
+
+
+def _save_cache(path, dkey, table):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    current = _load_cache(path)  # another process may have added entries meanwhile
+    current.update(table)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump({"version": _CACHE_VERSION, "device": dkey, "costs": current}, f)
+    os.replace(tmp, path)
+
+
+class _Overhead:
+    """Seconds to call an (almost) empty function with k inputs, measured once per k."""
+
+    def __init__(self):
+        self.cache = {}
+
+    def __call__(self, k_in: int) -> float:
+        import tensorflow as tf
+
+        k = max(1, min(k_in, 64))
+        if k not in self.cache:
+            specs = [tf.TensorSpec((), tf.float32)] * k
+            fn = tf.function(lambda *xs: tf.add_n(list(xs)) if len(xs) > 1 else xs[0] + 1.0)
+            cf = fn.get_concrete_function(*specs)
+            args = [tf.constant(1.0)] * k
+            for _ in range(5):
+                cf(*args)
+            times = []
+            for _ in range(21):
+                t = time.perf_counter()
+                cf(*args)
+                times.append(time.perf_counter() - t)
+            self.cache[k] = statistics.median(times)
+        return self.cache[k]
+
+
+_SKIP_ATTRS = ("_class", "_output_shapes", "_read_only_resource_inputs", "_has_manual_control_dependencies")
+
+
+class _NodeSpec:
+    """One node's ops as a standalone subgraph: signature, build, measure."""
+
+    def __init__(self, fgraph, ops, traced):
+        self.fgraph = fgraph
+        self.traced = traced
+        self.ops = list(ops)
+        self.op_objs = [fgraph.get_operation_by_name(n) for n in self.ops]
+        local = {op.name: i for i, op in enumerate(self.op_objs)}
+        self.local = local
+        self.externals = []    # (tensor, kind) kind: 'ph' | 'const' | 'static' | 'res'
+        ext_index = {}
+        parts = []
+        for op in self.op_objs:
+            ins = []
+            for t in op.inputs:
+                src = t.op
+                if src.name in local:
+                    ins.append(("i", local[src.name], t.value_index))
+                    continue
+                if t.name not in ext_index:
+                    ext_index[t.name] = len(self.externals)
+                    self.externals.append((t, self._kind(t)))
+                k = ext_index[t.name]
+                tt, kind = self.externals[k]
+                ins.append(("e", k, kind, t.dtype.name, tuple(t.shape.as_list()
+                                                              if t.shape.rank is not None
+                                                              else ()), self._value_key(tt, kind)))
+            ctrl = tuple(sorted(local[c.name] for c in op.control_inputs if c.name in local))
+            attrs = []
+            for key in sorted(op.node_def.attr):
+                if key in _SKIP_ATTRS:
+                    continue
+                attrs.append((key, op.node_def.attr[key].SerializeToString(deterministic=True)))
+            outs = tuple((o.dtype.name, tuple(o.shape.as_list()) if o.shape.rank is not None
+                          else None) for o in op.outputs)
+            parts.append((op.type, tuple(ins), ctrl, tuple(attrs), outs))
+        self.signature = hashlib.sha1(repr(parts).encode()).hexdigest()
+
+    def _kind(self, t):
+        import tensorflow as tf
+
+        if t.dtype == tf.resource:
+            return "res"
+        if t.op.type == "Const":
+            return "const"
+        if not (t.dtype.is_floating or t.dtype.is_complex) and self._static(t) is not None:
+            return "static"
+        return "ph"
+
+    def _static(self, t):
+        import numpy as np
+        import tensorflow as tf
+
+        op = t.op
+        if op.type == "ShapeN":
+            shape = op.inputs[t.value_index].shape
+            return np.array(shape.as_list(), t.dtype.as_numpy_dtype) \
+                if shape.is_fully_defined() else None
+        if op.type in ("Shape", "Size", "Rank") and op.inputs[0].shape.is_fully_defined():
+            s = op.inputs[0].shape
+            val = {"Shape": s.as_list(), "Size": s.num_elements(), "Rank": s.rank}[op.type]
+            return np.array(val, t.dtype.as_numpy_dtype)
+        try:
+            return tf.get_static_value(t)
+        except Exception:  # noqa: BLE001
+            return None
+
+    def _value_key(self, t, kind):
+        if kind == "const":
+            return hashlib.sha1(t.op.node_def.attr["value"].SerializeToString(
+                deterministic=True)).hexdigest()[:16]
+        if kind == "static":
+            v = self._static(t)
+            return hashlib.sha1(repr(v.tolist()).encode()).hexdigest()[:16]
+        if kind == "res":
+            var = self.traced.captures.get(t.op.name)
+            if var is not None:
+                return (var.dtype.name, tuple(var.shape.as_list()))
+        return None
+
+    # ---------------------------------------------------------- build + run
+    def build(self):
+        """A concrete function running the node's ops, its arguments and captured variables."""
+        import numpy as np
+        import tensorflow as tf
+        from tensorflow.core.framework import graph_pb2
+
+        gd = graph_pb2.GraphDef()
+        names = {}
+        feeds = []     # (placeholder name, value)
+        variables = []
+        input_map = {}
+        for k, (t, kind) in enumerate(self.externals):
+            if kind in ("const", "static"):
+                if kind == "const":
+                    nd = gd.node.add()
+                    nd.CopyFrom(t.op.node_def)
+                    nd.name = f"ext{k}"
+                    del nd.input[:]
+                    for key in _SKIP_ATTRS:
+                        if key in nd.attr:
+                            del nd.attr[key]
+                    nd.device = ""
+                    names[t.name] = f"ext{k}:{t.value_index}" if t.value_index else f"ext{k}"
+                else:
+                    val = self._static(t)
+                    nd = gd.node.add()
+                    nd.CopyFrom(_const_node_def(f"ext{k}", val, t.dtype))
+                    names[t.name] = f"ext{k}"
+                continue
+            if kind == "res":
+                var = self.traced.captures.get(t.op.name)
+                if var is None:
+                    raise RuntimeError(f"resource input {t.name} is not a captured variable")
+                fresh = tf.Variable(_random_value(var.shape, var.dtype), trainable=False)
+                variables.append(fresh)
+                nd = gd.node.add()
+                nd.name = f"ext{k}"
+                nd.op = "Placeholder"
+                nd.attr["dtype"].type = tf.resource.as_datatype_enum
+                names[t.name] = f"ext{k}"
+                input_map[f"ext{k}:0"] = ("var", fresh)
+                continue
+            nd = gd.node.add()
+            nd.name = f"ext{k}"
+            nd.op = "Placeholder"
+            nd.attr["dtype"].type = t.dtype.as_datatype_enum
+            nd.attr["shape"].shape.CopyFrom(t.shape.as_proto())
+            names[t.name] = f"ext{k}"
+            feeds.append((f"ext{k}:0", _random_value(t.shape, t.dtype)))
+        needs_library = False
+        for i, op in enumerate(self.op_objs):
+            nd = gd.node.add()
+            nd.CopyFrom(op.node_def)
+            nd.name = f"op{i}"
+            nd.device = ""
+            for key in _SKIP_ATTRS:
+                if key in nd.attr:
+                    del nd.attr[key]
+            for a in nd.attr.values():
+                if a.HasField("func") or a.list.func:
+                    needs_library = True
+            del nd.input[:]
+            for t in op.inputs:
+                if t.op.name in self.local:
+                    j = self.local[t.op.name]
+                    nd.input.append(f"op{j}:{t.value_index}" if t.value_index else f"op{j}")
+                else:
+                    nd.input.append(names[t.name])
+            for c in op.control_inputs:
+                if c.name in self.local:
+                    nd.input.append(f"^op{self.local[c.name]}")
+        if needs_library:
+            gd.library.CopyFrom(self.traced.graph_def.library)
+        gd.versions.CopyFrom(self.traced.graph_def.versions)
+        # what to return: every output read outside the node, else a token after the ops
+        returned = []
+        for i, op in enumerate(self.op_objs):
+            for o in op.outputs:
+                if o.dtype in (tf.resource, tf.variant):
+                    continue
+                if any(c.name not in self.local for c in o.consumers()) or not o.consumers():
+                    returned.append(f"op{i}:{o.value_index}")
+        no_output_ops = [f"op{i}" for i, op in enumerate(self.op_objs) if not op.outputs]
+        ph_names = [n for n, _ in feeds]
+        values = [v for _, v in feeds]
+        specs = [tf.TensorSpec(v.shape, v.dtype) for v in values]
+
+        def body(*args):
+            imap = dict(zip(ph_names, args))
+            graph = tf.compat.v1.get_default_graph()
+            for key, (_, var) in input_map.items():
+                imap[key] = graph.capture(var.handle)
+            got = tf.graph_util.import_graph_def(
+                gd, input_map=imap, return_elements=returned + no_output_ops, name="n")
+            tensors = got[:len(returned)]
+            side = got[len(returned):]
+            with tf.control_dependencies(side + [t.op for t in tensors]):
+                token = tf.constant(0)
+            return tensors + [token]
+
+        fn = tf.function(body, autograph=False).get_concrete_function(*specs)
+        return fn, values, variables
+
+    def measure(self, *, runs, warmup, overhead):
+        import tensorflow as tf
+
+        fn, values, variables = self.build()
+        sync = getattr(getattr(tf.test, "experimental", None), "sync_devices", None)
+        gpu = bool(tf.config.list_logical_devices("GPU"))
+
+        def call():
+            out = fn(*values)
+            if gpu and sync is not None:
+                sync()
+            return out
+
+        t = time.perf_counter()
+        call()
+        first = time.perf_counter() - t
+        if first > 1.0:  # a slow node: fewer repetitions
+            warmup, runs = 1, 3
+        for _ in range(max(0, warmup - 1)):
+            call()
+        times = []
+        for _ in range(runs):
+            t = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - t)
+        med = statistics.median(times)
+        base = overhead(len(values))
+        del variables
+        return max(med - base, _MIN_OP_SECONDS * len(self.ops))
+
+
+def _const_node_def(name, value, dtype):
+    import tensorflow as tf
+
+    with tf.Graph().as_default():
+        c = tf.constant(value, dtype, name=name)
+        nd = c.op.node_def
+    return nd
+
+
+def _random_value(shape, dtype):
+    import numpy as np
+    import tensorflow as tf
+
+    shape = tuple(shape.as_list()) if hasattr(shape, "as_list") else tuple(shape)
+    if dtype.is_floating:
+        v = np.random.default_rng(0).random(size=shape, dtype=np.float32) + 0.5
+        return tf.cast(tf.constant(v), dtype)
+    if dtype.is_bool:
+        return tf.constant(np.random.default_rng(0).integers(0, 2, size=shape).astype(bool))
+    if dtype.is_complex:
+        return tf.zeros(shape, dtype)
+    return tf.zeros(shape, dtype)
+
+
+class _FlopsModel:
+    """``flops / rate + bytes / bandwidth + overhead`` per op (see module docstring)."""
+
+    def __init__(self):
+        from tf_remat.extract import current_device_kind
+
+        self.kind = current_device_kind()
+        self.constants = FLOPS_MODEL[self.kind]
+
+    def node_cost(self, ops) -> float:
+        c = self.constants
+        total = 0.0
+        for op in ops:
+            fl, by = _op_flops_bytes(op)
+            total += fl / c["flop_rate"] + by / c["bandwidth"] + c["op_overhead"]
+        return total
+
+
+def _numel(t) -> int:
+    n = t.shape.num_elements() if t.shape.rank is not None else None
+    return int(n or 0)
+
+
+def _op_flops_bytes(op):
+    from tf_remat.extract import tensor_bytes
+
+    by = sum(tensor_bytes(t) for t in op.inputs) + sum(tensor_bytes(t) for t in op.outputs)
+    t = op.type
+    try:
+        if t in ("Conv2D", "Conv3D", "_FusedConv2D"):
+            k = op.inputs[1].shape.as_list()
+            return 2.0 * _numel(op.outputs[0]) * _prod(k[:-1]), by
+        if t in ("Conv2DBackpropInput", "Conv3DBackpropInputV2"):
+            k = op.inputs[1].shape.as_list()
+            return 2.0 * _numel(op.inputs[2]) * _prod(k[:-1]), by
+        if t in ("Conv2DBackpropFilter", "Conv3DBackpropFilterV2"):
+            k = op.outputs[0].shape.as_list()
+            return 2.0 * _numel(op.inputs[2]) * _prod(k[:-1]), by
+        if t.startswith("DepthwiseConv2dNative"):
+            k = (op.inputs[1] if "Filter" not in t else op.outputs[0]).shape.as_list()
+            big = max(_numel(o) for o in list(op.inputs) + list(op.outputs))
+            return 2.0 * big * k[0] * k[1] * max(1, k[3] if len(k) > 3 else 1), by
+        if t in ("MatMul", "_FusedMatMul"):
+            a = op.inputs[0].shape.as_list()
+            ta = op.get_attr("transpose_a")
+            kdim = a[0] if ta else a[1]
+            return 2.0 * _numel(op.outputs[0]) * kdim, by
+        if t.startswith("BatchMatMul"):
+            a = op.inputs[0].shape.as_list()
+            adj = op.get_attr("adj_x")
+            kdim = a[-2] if adj else a[-1]
+            return 2.0 * _numel(op.outputs[0]) * kdim, by
+    except Exception:  # noqa: BLE001 (unknown attrs: count as memory traffic)
+        pass
+    return float(max((_numel(o) for o in op.outputs), default=0)), by
+
+
+def _prod(xs):
+    p = 1
+    for x in xs:
+        p *= int(x or 1)
+    return p
