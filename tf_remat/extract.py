@@ -164,6 +164,10 @@ class OpMap:
         sink_ops: NoOps that only gather the step's side effects as control inputs of its
             returned tensors (plumbing: a rewritten step makes its own).
         outputs: the step's output tensor names, in order.
+        static_shapes: the fixed shape ops (Shape, ShapeN, Size, Rank, BroadcastArgs) that
+            read a node's tensor: op name -> the values of its outputs (lists of ints), known
+            statically; a rewritten step replaces them by constants. They are the only fixed
+            ops that read a node op.
         buffers: per node, ``[tensor name, bytes]`` for each buffer counted in its memory.
     """
 
@@ -173,9 +177,13 @@ class OpMap:
     sink_ops: tuple = ()
     outputs: tuple = ()
     buffers: tuple = ()
+    static_shapes: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         self.sink_ops = tuple(map(str, self.sink_ops))
+        self.static_shapes = {str(k): [list(map(int, o)) if isinstance(o, (list, tuple))
+                                       else int(o) for o in v]
+                              for k, v in dict(self.static_shapes).items()}
         self.nodes = tuple(tuple(str(o) for o in ops) for ops in self.nodes)
         self.fixed_ops = tuple(map(str, self.fixed_ops))
         self.dead_ops = tuple(map(str, self.dead_ops))
@@ -195,7 +203,8 @@ class OpMap:
                 "nodes": [list(ops) for ops in self.nodes], "fixed_ops": list(self.fixed_ops),
                 "dead_ops": list(self.dead_ops), "sink_ops": list(self.sink_ops),
                 "outputs": list(self.outputs),
-                "buffers": [[list(b) for b in bufs] for bufs in self.buffers]}
+                "buffers": [[list(b) for b in bufs] for bufs in self.buffers],
+                "static_shapes": self.static_shapes}
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the op map as JSON (by convention ``<graph>.ops.json`` beside the graph)."""
@@ -210,7 +219,8 @@ class OpMap:
         return cls(nodes=doc["nodes"], fixed_ops=doc.get("fixed_ops", ()),
                    dead_ops=doc.get("dead_ops", ()), sink_ops=doc.get("sink_ops", ()),
                    outputs=doc.get("outputs", ()),
-                   buffers=doc.get("buffers", ()))
+                   buffers=doc.get("buffers", ()),
+                   static_shapes=doc.get("static_shapes", {}))
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "OpMap":
@@ -1042,6 +1052,7 @@ class _Analysis:
         for j in self.placeholders:
             fixed += sum(counted_bytes(b, dev) for b in self.out_bytes[j])
         fixed_ops, dead_ops, sink_ops = [], [], []
+        static_shapes = {}
         for j, op in enumerate(ops):
             if node[j]:
                 continue
@@ -1052,6 +1063,9 @@ class _Analysis:
                 dead_ops.append(op.name)
                 continue
             fixed_ops.append(op.name)
+            if op.type in SHAPE_OPS and any(node[i] for i, _ in self.inputs[j]):
+                static_shapes[op.name] = [_static_shape_value(op, k)
+                                          for k in range(len(op.outputs))]
             if j in self.placeholders or op.type in VIEW_OPS or op.type in (
                     "ReadVariableOp", "Placeholder", "VarHandleOp") or op.type in SHAPE_OPS:
                 continue
@@ -1062,12 +1076,30 @@ class _Analysis:
         names = [_node_name(ops, node_ops[v]) for v in range(n)]
         op_map = OpMap(nodes=[[ops[j].name for j in node_ops[v]] for v in range(n)],
                        fixed_ops=fixed_ops, dead_ops=dead_ops, sink_ops=sink_ops,
-                       outputs=[t.name for t in self.fgraph.outputs], buffers=buffers)
+                       outputs=[t.name for t in self.fgraph.outputs], buffers=buffers,
+                       static_shapes=static_shapes)
         fields = dict(memory=memory, edges=sorted(edges), order=list(range(n)),
                       outputs=list(dict.fromkeys(outputs)), fixed_memory=fixed,
                       backward=backward, recomputable=recomputable, names=names)
         self.unfused_pairs = list(self.unfused)
         return op_map, fields
+
+
+def _static_shape_value(op, k):
+    t = op.type
+    if t == "ShapeN":
+        return op.inputs[k].shape.as_list()
+    s = op.inputs[0].shape
+    if t == "Shape":
+        return s.as_list()
+    if t == "Size":
+        return int(s.num_elements())
+    if t == "Rank":
+        return int(s.rank)
+    import tensorflow as tf
+
+    value = tf.get_static_value(op.outputs[k])
+    return None if value is None else value.tolist()
 
 
 def _same_size(a, b) -> bool:

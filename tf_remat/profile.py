@@ -246,7 +246,7 @@ class _NodeSpec:
             ctrl = tuple(sorted(local[c.name] for c in op.control_inputs if c.name in local))
             attrs = []
             for key in sorted(op.node_def.attr):
-                if key in _SKIP_ATTRS:
+                if key in _SKIP_ATTRS or key.startswith("_"):
                     continue
                 attrs.append((key, op.node_def.attr[key].SerializeToString(deterministic=True)))
             outs = tuple((o.dtype.name, tuple(o.shape.as_list()) if o.shape.rank is not None

@@ -1,0 +1,356 @@
+"""Extraction of a Keras training step into a solver graph: structure, memory, profiling, CLI."""
+
+import json
+import os
+import statistics
+
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+keras = pytest.importorskip("keras")
+
+from tf_remat.errors import RematError, UnsupportedOpError  # noqa: E402
+from tf_remat.graph import Graph  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+# --------------------------------------------------------------------- small models
+def small_cnn():
+    inp = keras.Input((32, 32, 3))
+    h = keras.layers.Conv2D(32, 3, padding="same", activation="relu")(inp)
+    h = keras.layers.BatchNormalization()(h)
+    h = keras.layers.Conv2D(32, 3, padding="same", activation="relu")(h)
+    h = keras.layers.MaxPooling2D()(h)
+    h = keras.layers.Dropout(0.3)(h)
+    h = keras.layers.Conv2D(64, 3, padding="same")(h)
+    h = keras.layers.BatchNormalization()(h)
+    h = keras.layers.Activation("relu")(h)
+    h = keras.layers.Flatten()(h)
+    out = keras.layers.Dense(10)(h)
+    m = keras.Model(inp, out, name="small_cnn")
+    m.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+              optimizer="adam")
+    return m, (64, 32, 32, 3)
+
+
+def res_block():
+    inp = keras.Input((32, 32, 16))
+    h = inp
+    for _ in range(2):
+        r = keras.layers.Conv2D(16, 3, padding="same")(h)
+        r = keras.layers.BatchNormalization()(r)
+        r = keras.layers.ReLU()(r)
+        r = keras.layers.Conv2D(16, 3, padding="same")(r)
+        h = keras.layers.Add()([r, h])
+        h = keras.layers.ReLU()(h)
+    h = keras.layers.GlobalAveragePooling2D()(h)
+    out = keras.layers.Dense(10)(h)
+    m = keras.Model(inp, out, name="res_block")
+    m.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+              optimizer="sgd")
+    return m, (64, 32, 32, 16)
+
+
+def mlp():
+    inp = keras.Input((512,))
+    h = keras.layers.Dense(1024, activation="relu")(inp)
+    h = keras.layers.Dense(1024, activation="relu")(h)
+    out = keras.layers.Dense(10)(h)
+    m = keras.Model(inp, out, name="mlp")
+    m.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+              optimizer="adam")
+    return m, (256, 512)
+
+
+BUILDERS = {"small_cnn": small_cnn, "res_block": res_block, "mlp": mlp}
+_CACHE = {}
+
+
+def extracted(name, cost_model="flops"):
+    key = (name, cost_model)
+    if key not in _CACHE:
+        from tf_remat.extract import extract
+
+        model, shape = BUILDERS[name]()
+        _CACHE[key] = extract(model, input_spec=tf.TensorSpec(shape),
+                              label_spec=tf.TensorSpec((shape[0],), tf.int32),
+                              cost_model=cost_model, verbose=0)
+    return _CACHE[key]
+
+
+def batch_dependent_ops(ex):
+    """Live ops reachable from the batch / labels through data edges (static shape ops aside)."""
+    from tf_remat.extract import SHAPE_OPS
+
+    g = ex.traced.function.graph
+    live = set(ex.op_map.fixed_ops) | {o for ops in ex.op_map.nodes for o in ops}
+    start = [g.get_operation_by_name(n) for n in ex.traced.input_ops + ex.traced.label_ops]
+    seen, stack = set(), list(start)
+    while stack:
+        op = stack.pop()
+        for t in op.outputs:
+            for c in t.consumers():
+                if c.name in seen or c.name not in live or c.type in SHAPE_OPS:
+                    continue
+                seen.add(c.name)
+                stack.append(c)
+    return seen
+
+
+# --------------------------------------------------------------------- structure
+@pytest.mark.parametrize("name", list(BUILDERS))
+def test_graph_valid_and_solver_sized(name, tmp_path):
+    ex = extracted(name)
+    g = ex.graph
+    assert isinstance(g, Graph)
+    assert 5 <= g.n <= 400, g.n
+    assert g.n < sum(len(o) for o in ex.op_map.nodes)  # ops really were grouped
+    assert len(ex.op_map.nodes) == g.n
+    assert all(m >= 0 for m in g.memory) and g.fixed_memory > 0
+    assert g.no_remat_peak > g.fixed_memory
+    assert any(g.backward) and not all(g.backward)
+    assert all(c > 0 for c in g.cost)
+    # JSON round trip of graph and op map
+    path = tmp_path / "g.json"
+    ex.save(path)
+    assert Graph.load(path) == g
+    from tf_remat.extract import OpMap, op_map_path
+
+    assert op_map_path(path) == str(tmp_path / "g.ops.json")
+    assert OpMap.load(op_map_path(path)) == ex.op_map
+
+
+@pytest.mark.parametrize("name", list(BUILDERS))
+def test_no_recomputable_stateful_op(name):
+    from tf_remat.extract import _is_side_effect
+
+    ex = extracted(name)
+    g = ex.traced.function.graph
+    stateful_nodes = 0
+    for v, ops in enumerate(ex.op_map.nodes):
+        if any(_is_side_effect(g.get_operation_by_name(o).type) for o in ops):
+            stateful_nodes += 1
+            assert not ex.graph.recomputable[v], ex.graph.names[v]
+    assert stateful_nodes > 0  # optimizer updates (and BatchNorm statistics) are nodes
+    assert any(ex.graph.recomputable)
+
+
+@pytest.mark.parametrize("name", list(BUILDERS))
+def test_op_map_covers_batch_dependent_ops_once(name):
+    ex = extracted(name)
+    g = ex.traced.function.graph
+    counts = {}
+    for ops in ex.op_map.nodes:
+        for o in ops:
+            counts[o] = counts.get(o, 0) + 1
+    assert all(c == 1 for c in counts.values())
+    assert not set(counts) & set(ex.op_map.fixed_ops)
+    missing = batch_dependent_ops(ex) - set(counts) - set(ex.op_map.sink_ops)
+    assert not missing, sorted(missing)[:5]
+    # fixed ops never read a node op (they run once, before anything else), except shape ops
+    # whose values are static (given in the op map)
+    node_ops = set(counts)
+    for name_ in ex.op_map.fixed_ops:
+        op = g.get_operation_by_name(name_)
+        if any(t.op.name in node_ops for t in op.inputs):
+            assert name_ in ex.op_map.static_shapes, name_
+            value = ex.op_map.static_shapes[name_]
+            assert value == [tf.get_static_value(t).tolist() if op.type != "ShapeN"
+                             else op.inputs[k].shape.as_list()
+                             for k, t in enumerate(op.outputs)]
+        assert not any(c.name in node_ops for c in op.control_inputs), name_
+    # each node's ops are in a topological order
+    for ops in ex.op_map.nodes:
+        pos = {o: i for i, o in enumerate(ops)}
+        for o in ops:
+            for t in g.get_operation_by_name(o).inputs:
+                if t.op.name in pos:
+                    assert pos[t.op.name] < pos[o]
+
+
+@pytest.mark.parametrize("name", list(BUILDERS))
+def test_fusable_pairs_share_a_node(name):
+    ex = extracted(name)
+    g = ex.traced.function.graph
+    node_of = ex.op_map.node_of()
+    pairs = 0
+    for o in node_of:
+        op = g.get_operation_by_name(o)
+        if op.type == "BiasAdd" and op.inputs[0].op.type in ("Conv2D", "MatMul"):
+            assert node_of[o] == node_of[op.inputs[0].op.name], o
+            pairs += 1
+        if op.type == "BiasAddGrad":
+            dy = op.inputs[0]
+            for c in dy.consumers():
+                if c.type == "Conv2DBackpropFilter":
+                    assert node_of[c.name] == node_of[o], o
+                    pairs += 1
+    assert pairs > 0
+
+
+def test_views_allocate_nothing():
+    ex = extracted("small_cnn")
+    from tf_remat.extract import VIEW_OPS
+
+    g = ex.traced.function.graph
+    for bufs in ex.op_map.buffers:
+        for tensor_name, _ in bufs:
+            assert g.get_tensor_by_name(tensor_name).op.type not in VIEW_OPS
+
+
+# --------------------------------------------------------------------- errors
+def test_unknown_batch_dimension_is_a_clear_error():
+    from tf_remat.extract import extract
+
+    model, shape = mlp()
+    with pytest.raises(UnsupportedOpError, match=r"input_spec.*unknown dimension 0"):
+        extract(model, input_spec=tf.TensorSpec((None, 512)),
+                label_spec=tf.TensorSpec((None,), tf.int32), cost_model="flops", verbose=0)
+
+
+def test_data_dependent_shape_names_the_tensor():
+    from tf_remat.extract import extract
+
+    class Positive(keras.layers.Layer):
+        def call(self, x):
+            return tf.reshape(tf.boolean_mask(x, x > 0), (-1, 1))
+
+    inp = keras.Input((8,))
+    h = keras.layers.Dense(8)(inp)
+    h = Positive(name="positive")(h)
+    out = keras.layers.Dense(1)(h)
+    model = keras.Model(inp, out)
+    with pytest.raises(UnsupportedOpError, match=r"tensor '[^']*positive[^']*'.*unknown"):
+        extract(model, input_spec=tf.TensorSpec((4, 8)), label_spec=tf.TensorSpec((4, 1)),
+                loss="mse", optimizer="sgd", cost_model="flops", verbose=0)
+
+
+def test_missing_loss_is_a_clear_error():
+    from tf_remat.extract import extract
+
+    inp = keras.Input((4,))
+    model = keras.Model(inp, keras.layers.Dense(2)(inp))
+    with pytest.raises(RematError, match="loss"):
+        extract(model, input_spec=tf.TensorSpec((2, 4)), label_spec=tf.TensorSpec((2,)),
+                cost_model="flops", verbose=0)
+
+
+# --------------------------------------------------------------------- memory vs TensorFlow
+def measured_peak_median(ex, runs=9):
+    from tf_remat.extract import _random_like
+
+    x = _random_like(ex.traced.input_spec, seed=1)
+    y = _random_like(ex.traced.label_spec, seed=2, labels=10)
+    fn = ex.traced.function
+    fn(x, y)
+    peaks = []
+    for _ in range(runs):
+        tf.config.experimental.reset_memory_stats("CPU:0")
+        before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+        out = fn(x, y)
+        out.numpy()
+        del out
+        peaks.append(tf.config.experimental.get_memory_info("CPU:0")["peak"] - before)
+    return statistics.median(peaks)
+
+
+@pytest.mark.skipif(bool(tf.config.list_logical_devices("GPU")), reason="CPU memory model")
+@pytest.mark.parametrize("name", list(BUILDERS))
+def test_predicted_peak_matches_tensorflow(name):
+    # Other tests' models live in this process too, so the step's own peak is the growth over
+    # what was allocated before it, plus the step's resident memory (variables, batch).
+    ex = extracted(name)
+    g = ex.graph
+    measured = measured_peak_median(ex) + g.fixed_memory
+    assert abs(g.no_remat_peak - measured) <= 0.15 * measured, (g.no_remat_peak, measured)
+
+
+# --------------------------------------------------------------------- profiling
+def test_profile_costs_and_cache_hit(tmp_path, monkeypatch):
+    monkeypatch.setenv("TF_REMAT_CACHE", str(tmp_path / "cache"))
+    from tf_remat.extract import extract
+
+    model, shape = res_block()
+    kw = dict(input_spec=tf.TensorSpec(shape), label_spec=tf.TensorSpec((shape[0],), tf.int32),
+              cost_model="profile", verbose=0)
+    first = extract(model, **kw)
+    assert first.info["measured"] > 0 and first.info["cache_hits"] == 0
+    assert not first.info["profile_failures"], first.info["profile_failures"]
+    assert os.path.exists(first.info["cache_file"])
+    second = extract(model, **kw)
+    assert second.info["measured"] == 0
+    assert second.info["cache_hits"] == second.info["signatures"]
+    assert second.graph.cost == first.graph.cost
+    assert second.info["profile_seconds"] < first.info["profile_seconds"]
+    # identical nodes (the two ReLU-gradient chains, the optimizer updates) share a signature
+    assert first.info["signatures"] < first.graph.n
+
+
+def test_flops_cost_model_ranks_convolutions_first():
+    ex = extracted("small_cnn")
+    g = ex.graph
+    top = max(range(g.n), key=lambda v: g.cost[v])
+    assert "conv" in g.names[top].lower() or "Backprop" in g.names[top]
+
+
+def test_profiled_step_time_is_plausible(monkeypatch, tmp_path):
+    monkeypatch.setenv("TF_REMAT_CACHE", str(tmp_path / "cache"))
+    from tf_remat.extract import extract, measure_step
+
+    model, shape = small_cnn()
+    ex = extract(model, input_spec=tf.TensorSpec(shape),
+                 label_spec=tf.TensorSpec((shape[0],), tf.int32), verbose=0)
+    measured = measure_step(ex.traced, runs=5)["step_seconds"]
+    assert 0.5 * measured < ex.graph.total_cost < 2.0 * measured
+
+
+# --------------------------------------------------------------------- API, zoo, CLI
+def test_public_extract_graph():
+    import tf_remat
+
+    model, shape = mlp()
+    g = tf_remat.extract_graph(model, input_spec=tf.TensorSpec((32, 512)),
+                               label_spec=tf.TensorSpec((32,), tf.int32), cost_model="flops",
+                               verbose=0)
+    assert isinstance(g, Graph) and g.n > 3
+
+
+def test_gradients_only_step_returns_grads():
+    from tf_remat.extract import extract
+
+    model, shape = mlp()
+    ex = extract(model, input_spec=tf.TensorSpec((32, 512)),
+                 label_spec=tf.TensorSpec((32,), tf.int32), cost_model="flops", verbose=0,
+                 apply_updates=False)
+    assert len(ex.op_map.outputs) == 1 + len(model.trainable_variables)
+    assert all(ex.graph.recomputable[v] or True for v in ex.graph.outputs)
+    assert not any(o for o in ex.op_map.nodes
+                   for name in o if "AssignSub" in name or "AssignAdd" in name)
+
+
+def test_zoo_names():
+    from tf_remat.zoo import MODELS, get_model, parse_input_size
+
+    assert {"vgg16", "vgg19", "mobilenet", "resnet50", "unet", "fcn8", "segnet",
+            "transformer", "bn_cnn"} <= set(MODELS)
+    with pytest.raises(ValueError, match="vgg16"):
+        get_model("alexnet", 4)
+    assert parse_input_size("224x160", 32) == (224, 160)
+    assert parse_input_size(None, 32) == (32, 32)
+    import models
+
+    assert models.get_model is get_model
+
+
+def test_cli_extract_writes_graph_and_op_map(tmp_path, capsys):
+    from tf_remat.cli import main
+
+    out = tmp_path / "bn.json"
+    assert main(["extract", "--model", "bn_cnn", "--batch", "4", "--cost-model", "flops",
+                 "-q", "-o", str(out)]) == 0
+    g = Graph.load(out)
+    doc = json.loads((tmp_path / "bn.ops.json").read_text())
+    assert len(doc["nodes"]) == g.n
+    assert "nodes" in capsys.readouterr().out
+    assert main(["extract", "--model", "nope", "-o", str(out)]) == 2
