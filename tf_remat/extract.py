@@ -168,6 +168,10 @@ class OpMap:
             read a node's tensor: op name -> the values of its outputs (lists of ints), known
             statically; a rewritten step replaces them by constants. They are the only fixed
             ops that read a node op.
+        bypass_ops: identity ops in no node (a multi-input IdentityN that Keras puts over all
+            gradients): op name -> its input tensor names; a reader of output i reads input i.
+            Grappler removes such an identity, so keeping it would add a barrier the original
+            step does not have.
         buffers: per node, ``[tensor name, bytes]`` for each buffer counted in its memory.
     """
 
@@ -178,9 +182,11 @@ class OpMap:
     outputs: tuple = ()
     buffers: tuple = ()
     static_shapes: dict = dataclasses.field(default_factory=dict)
+    bypass_ops: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         self.sink_ops = tuple(map(str, self.sink_ops))
+        self.bypass_ops = {str(k): [str(t) for t in v] for k, v in dict(self.bypass_ops).items()}
         self.static_shapes = {str(k): [list(map(int, o)) if isinstance(o, (list, tuple))
                                        else int(o) for o in v]
                               for k, v in dict(self.static_shapes).items()}
@@ -204,7 +210,7 @@ class OpMap:
                 "dead_ops": list(self.dead_ops), "sink_ops": list(self.sink_ops),
                 "outputs": list(self.outputs),
                 "buffers": [[list(b) for b in bufs] for bufs in self.buffers],
-                "static_shapes": self.static_shapes}
+                "static_shapes": self.static_shapes, "bypass_ops": self.bypass_ops}
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the op map as JSON (by convention ``<graph>.ops.json`` beside the graph)."""
@@ -220,7 +226,8 @@ class OpMap:
                    dead_ops=doc.get("dead_ops", ()), sink_ops=doc.get("sink_ops", ()),
                    outputs=doc.get("outputs", ()),
                    buffers=doc.get("buffers", ()),
-                   static_shapes=doc.get("static_shapes", {}))
+                   static_shapes=doc.get("static_shapes", {}),
+                   bypass_ops=doc.get("bypass_ops", {}))
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "OpMap":
@@ -688,6 +695,20 @@ class _Analysis:
                     sink_set.add(j)
                     node[j] = 0
         self.sink_set = sink_set
+        # multi-input IdentityN (Keras wraps all gradients in one before the optimizer) is a
+        # barrier Grappler removes: its readers read its inputs directly
+        bypass = {}
+        for j in range(n):
+            if node[j] and ops[j].type == "IdentityN" and len(ops[j].inputs) > 1 and \
+                    j not in out_set and not self.ctrl_out[j]:
+                bypass[j] = [t.name for t in ops[j].inputs]
+                for k in range(len(ops[j].outputs)):
+                    src = self.inputs[j][k]
+                    for c in self.consumers.pop((j, k), []):
+                        self.inputs[c] = [src if x == (j, k) else x for x in self.inputs[c]]
+                        self.consumers[src].append(c)
+                node[j] = 0
+        self.bypass = bypass
         for j in range(n):
             if self.ctrl_in[j] and sink_set.intersection(self.ctrl_in[j]):
                 self.ctrl_in[j] = [i for i in self.ctrl_in[j] if i not in sink_set]
@@ -987,18 +1008,20 @@ class _Analysis:
         first = [self.members[r][0] for r in reps]
         import heapq
 
+        # TensorFlow's executor runs an op as soon as its inputs exist (a FIFO of ready ops);
+        # the reference order does the same, ties broken by creation order
         indeg = [len(self.pred[r]) for r in reps]
-        heap = [(first[gi], gi) for gi in range(len(reps)) if indeg[gi] == 0]
+        heap = [(0, first[gi], gi) for gi in range(len(reps)) if indeg[gi] == 0]
         heapq.heapify(heap)
         order_old = []
         while heap:
-            _, gi = heapq.heappop(heap)
+            _, _, gi = heapq.heappop(heap)
             order_old.append(gi)
             for s in self.succ[reps[gi]]:
                 sg = gid_of_rep[s]
                 indeg[sg] -= 1
                 if indeg[sg] == 0:
-                    heapq.heappush(heap, (first[sg], sg))
+                    heapq.heappush(heap, (len(order_old), first[sg], sg))
         if len(order_old) != len(reps):
             raise RematError("internal error: grouping produced a cycle")
         new_id = {gi: k for k, gi in enumerate(order_old)}  # ids follow the reference order
@@ -1059,6 +1082,8 @@ class _Analysis:
             if j in self.sink_set:
                 sink_ops.append(op.name)
                 continue
+            if j in self.bypass:
+                continue
             if not self.live[j]:
                 dead_ops.append(op.name)
                 continue
@@ -1077,7 +1102,8 @@ class _Analysis:
         op_map = OpMap(nodes=[[ops[j].name for j in node_ops[v]] for v in range(n)],
                        fixed_ops=fixed_ops, dead_ops=dead_ops, sink_ops=sink_ops,
                        outputs=[t.name for t in self.fgraph.outputs], buffers=buffers,
-                       static_shapes=static_shapes)
+                       static_shapes=static_shapes,
+                       bypass_ops={ops[j].name: v for j, v in self.bypass.items()})
         fields = dict(memory=memory, edges=sorted(edges), order=list(range(n)),
                       outputs=list(dict.fromkeys(outputs)), fixed_memory=fixed,
                       backward=backward, recomputable=recomputable, names=names)
