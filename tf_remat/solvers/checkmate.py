@@ -57,6 +57,8 @@ _MILP_OPTIONS = {
 }
 _LP_OPTIONS = {
     "samples": (int, 32, "randomized roundings per allowance"),
+    "first_plans": (bool, True, "also keep the exact solvers' first plans (gap program, "
+                                "greedy) when no rounding beats them"),
     "max_nonzeros": (int, 20_000_000, "skip the LP above this many matrix entries"),
     "hint": (tuple, None, "a compute sequence kept when no rounding beats it (Python API)"),
 }
@@ -120,15 +122,17 @@ def checkmate_milp(graph: Graph, budget: int, *, time_limit=None, seed: int = 0,
                                    "(deterministic and randomized), budget allowance searched",
           options=_LP_OPTIONS)
 def checkmate_lp_rounding(graph: Graph, budget: int, *, time_limit=None, seed: int = 0,
-                          progress=None, samples: int = 32, max_nonzeros: int = 20_000_000,
-                          hint=None) -> Schedule:
+                          progress=None, samples: int = 32, first_plans: bool = True,
+                          max_nonzeros: int = 20_000_000, hint=None) -> Schedule:
     """Checkmate §5: solve the LP relaxation, round ``S`` and take the least ``R`` for it.
 
     The LP is solved at budgets ``(1 - eps) * (budget - fixed)`` for a few allowances eps (the
     paper's 0.1 is too conservative on some graphs, too loose on others); for each LP solution
     ``S`` is rounded at several thresholds and by ``samples`` Bernoulli draws, ``R`` is
     :func:`tf_remat.plan.minimal_r` of it, and the simulator keeps the cheapest plan within
-    budget. The LP optimum at eps = 0 bounds every staged plan from below.
+    budget. The LP optimum at eps = 0 bounds every staged plan from below. With
+    ``first_plans`` (default) the first plans of the exact solvers compete too, so a plan within
+    budget comes back even when no rounding fits (``info["from"]`` says which won).
     """
     if samples < 0:
         raise StrategyError(f"option samples={samples} of strategy 'checkmate-lp-rounding' "
@@ -138,11 +142,20 @@ def checkmate_lp_rounding(graph: Graph, budget: int, *, time_limit=None, seed: i
     P = Positions(graph)
     info = {}
     best = None  # (cost, seq, peak)
-    if hint is not None:
+    if first_plans:
+        cands = staged_hints(graph, P, budget, hint=hint, deadline=deadline,
+                             gap_limit=_gap_limit(time_limit))
+        c = next((c for c in cands if c[0]), None)
+        if c is not None:
+            best = (c[1], sequence_from_stages(P, c[3]), c[2])
+            info["from"] = c[4]
+            if progress is not None:
+                progress(cost=c[1], peak=c[2], message=f"first plan from {c[4]}")
+    elif hint is not None:
         ev = evaluate(graph, hint)
         if ev is not None and ev[0] <= budget:
             best = (ev[1], tuple(hint), ev[0])
-            info["first_plan"] = "hint"
+            info["from"] = "hint"
     model = CheckmateModel(P, budget)
     info["nonzeros"] = model.nnz_estimate
     if model.nnz_estimate > max_nonzeros:
@@ -188,6 +201,7 @@ def checkmate_lp_rounding(graph: Graph, budget: int, *, time_limit=None, seed: i
             if best is None or ev[1] < best[0] - 1e-12:
                 best = (ev[1], seq, ev[0])
                 info["allowance"] = eps
+                info["from"] = "rounding"
                 if progress is not None:
                     progress(cost=ev[1], peak=ev[0], lower_bound=lb)
         if best is not None and lb is not None and best[0] <= lb * (1 + 1e-9):
@@ -206,7 +220,7 @@ def checkmate_lp_rounding(graph: Graph, budget: int, *, time_limit=None, seed: i
 def _reserve(graph, time_limit):
     if time_limit is None:
         return 0.0
-    return min(0.25 * time_limit, 0.05 + 0.0004 * graph.n + 0.02 * time_limit)
+    return min(0.25 * time_limit, 0.05 + 0.002 * graph.n + 0.02 * time_limit)
 
 
 def _gap_limit(time_limit):
@@ -534,9 +548,11 @@ class CheckmateModel:
         h.setOptionValue("output_flag", False)
         h.setOptionValue("random_seed", int(seed))
         h.setOptionValue("threads", 1)
+        # HiGHS looks at the clock only between phases and in callbacks: stop it early enough
         left = deadline.left()
         if math.isfinite(left):
-            h.setOptionValue("time_limit", max(0.05, left))
+            left = max(0.05, 0.95 * left - 0.1 - 2e-7 * self.nnz_estimate)
+            h.setOptionValue("time_limit", left)
         if integral:
             h.setOptionValue("mip_rel_gap", 0.0)
             h.setOptionValue("mip_abs_gap", 0.999 if self.scale.exact_cost else 1e-9)

@@ -100,7 +100,7 @@ def _reserve(graph, time_limit):
     """Seconds kept back from the limit for building the plan and writing it."""
     if time_limit is None:
         return 0.0
-    return min(0.25 * time_limit, 0.05 + 0.0004 * graph.n + 0.02 * time_limit)
+    return min(0.25 * time_limit, 0.05 + 0.002 * graph.n + 0.02 * time_limit)
 
 
 class _Model:
