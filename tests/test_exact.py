@@ -211,3 +211,19 @@ def test_float_costs_keep_bounds_valid():
         assert abs(plans[0].cost - plans[1].cost) <= 1e-9 * plans[0].cost
         for p in plans:
             assert p.lower_bound <= p.cost * (1 + 1e-12)
+
+
+def test_moccasin_in_a_child_process_matches_in_process(monkeypatch):
+    # with TensorFlow loaded CP-SAT must run in a child process (see solvers/_cpsat.py); the
+    # answer and the progress reports must be the same as in this process
+    g = training_dag(6, seed=2, stateful=0.15, fixed=5)
+    budget = int(0.8 * g.no_remat_peak)
+    here = run_strategy_test("moccasin", g, budget)
+    seen = []
+    monkeypatch.setenv("TF_REMAT_CPSAT_SUBPROCESS", "1")
+    child = solve(g, budget, strategy="moccasin", callback=seen.append)
+    assert child.info.get("isolated") is True
+    assert child.status == here.status
+    assert abs(child.cost - here.cost) <= 1e-9
+    assert child.peak_memory <= budget
+    assert any(ev.get("cost") is not None for ev in seen)

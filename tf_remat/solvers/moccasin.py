@@ -36,14 +36,13 @@ Notes:
 from __future__ import annotations
 
 import math
-import time
 
 import numpy as np
 
 from tf_remat.errors import StrategyError
 from tf_remat.graph import Graph
 from tf_remat.plan import Schedule
-from tf_remat.solvers import register
+from tf_remat.solvers import _cpsat, register
 from tf_remat.solvers._staged import (Deadline, Positions, Scaling, check_hint, evaluate,
                                       first_occurrence_order, sequence_from_stages,
                                       staged_hints, stages_from_sequence, workers)
@@ -78,6 +77,11 @@ def moccasin(graph: Graph, budget: int, *, time_limit=None, seed: int = 0, progr
         raise StrategyError(f"option order={order!r} of strategy 'moccasin' must be one of "
                             "fixed, free, hint")
     hint = check_hint(hint, graph)
+    isolated = _cpsat.run_isolated("moccasin", graph, budget, time_limit=time_limit, seed=seed,
+                                   progress=progress, C=C, order=order, exact_nodes=exact_nodes,
+                                   presolve=presolve, workers=workers, hint=hint)
+    if isolated is not None:
+        return isolated
     deadline = Deadline(time_limit, reserve=_reserve(graph, time_limit))
     base_order = graph.order
     if order == "hint" and hint is not None:
@@ -87,13 +91,17 @@ def moccasin(graph: Graph, budget: int, *, time_limit=None, seed: int = 0, progr
     cands = staged_hints(graph, P, budget, hint=hint, deadline=deadline)
     if order == "free" and hint is not None:
         ev = evaluate(graph, hint)
-        if ev is not None:
-            cands.insert(0, (ev[0] <= budget, ev[1], ev[0], None, "hint-free"))
+        if ev is not None:  # any order will do: keep the sequence itself
+            cands.insert(0, (ev[0] <= budget, ev[1], ev[0], None, "hint", hint))
             cands.sort(key=lambda c: (not c[0], c[1] if c[0] else c[2]))
     model = _Model(graph, P, budget, C=C, free=(order == "free"), exact_nodes=exact_nodes,
                    cands=cands)
-    return model.run(deadline=deadline, seed=seed, progress=progress, presolve=presolve,
-                     num_workers=workers, bound_valid=fixed_is_graph and order != "free")
+    sched = model.run(deadline=deadline, seed=seed, progress=progress, presolve=presolve,
+                      num_workers=workers, bound_valid=fixed_is_graph and order != "free")
+    if hint is not None and order == "fixed" and stages_from_sequence(P, hint) is None:
+        # its first computations leave graph.order: order=hint or order=free can use it
+        sched.info["hint"] = "not staged in graph.order, ignored"
+    return sched
 
 
 def _reserve(graph, time_limit):
@@ -118,10 +126,10 @@ class _Model:
         exact = (not free) and n <= exact_nodes
         self.cnum = np.empty(n, dtype=np.int64)
         hint_counts = np.zeros(n, dtype=np.int64)
-        if cands and cands[0][3] is not None:
-            for s in cands[0][3]:
-                for p in s:
-                    hint_counts[p] += 1
+        if cands:
+            seq = _cand_sequence(P, cands[0])
+            np.add.at(hint_counts, P.pos[np.asarray(seq, dtype=np.int64)], 1)
+            hint_counts = np.maximum(hint_counts - 1, 0)
         for p in range(n):
             if not P.recomputable[p] or (not P.succs[p] and not P.output[p]):
                 self.cnum[p] = 1
@@ -353,9 +361,7 @@ class _Model:
         best = None  # (cost, seq, within)
         if self.cands:
             c0 = self.cands[0]
-            seq0 = c0[3] and sequence_from_stages(P, c0[3])
-            if c0[3] is None and c0[4] == "hint-free":
-                seq0 = None
+            seq0 = _cand_sequence(P, c0)
             best = (c0[1], seq0, c0[0], c0[2]) if seq0 else None
             info["first_plan"] = c0[4]
             if progress is not None and c0[0]:
@@ -413,8 +419,8 @@ class _Model:
             info["hinted"] = hinted
             solver = cp_model.CpSolver()
             params(solver, deadline.left())
-            cb = _Callback(self, progress, total, bound_valid and self.exact)
-            st = solver.solve(self.m, cb)
+            cb = _incumbent_reporter(self, progress, total, bound_valid and self.exact)
+            st = solver.solve(self.m, cb) if cb is not None else solver.solve(self.m)
             info["status"] = solver.status_name(st)
             if st in (cp_model.OPTIMAL, cp_model.FEASIBLE):
                 seq = self.decode(solver)
@@ -468,29 +474,28 @@ class _Model:
         return tuple(int(P.order[p]) for _, p in events)
 
 
-class _Callback:
-    """Forwards CP-SAT incumbents to the progress reporter."""
+def _incumbent_reporter(model, progress, total, bound_valid):
+    """A CP-SAT solution callback forwarding incumbents to ``progress`` (None without one)."""
+    if progress is None:
+        return None
+    from ortools.sat.python import cp_model
 
-    def __new__(cls, model, progress, total, bound_valid):
-        from ortools.sat.python import cp_model
+    class _Reporter(cp_model.CpSolverSolutionCallback):
+        def on_solution_callback(self):
+            cost = total + self.objective_value * model.scale.cost_unit
+            lb = None
+            if bound_valid:
+                lb = total + model.scale.true_bound(self.best_objective_bound, model.max_extra)
+            progress(cost=cost, lower_bound=lb)
 
-        class CB(cp_model.CpSolverSolutionCallback):
-            def __init__(self):
-                super().__init__()
-                self.t0 = time.perf_counter()
+    return _Reporter()
 
-            def on_solution_callback(self):
-                if progress is None:
-                    return
-                unit = model.scale.cost_unit
-                cost = total + self.objective_value * unit
-                lb = None
-                if bound_valid:
-                    lb = total + model.scale.true_bound(self.best_objective_bound,
-                                                        model.max_extra)
-                progress(cost=cost, lower_bound=lb)
 
-        return CB()
+def _cand_sequence(P, cand):
+    """The compute sequence of a first-plan candidate (stages, or a free-order sequence)."""
+    if len(cand) > 5:
+        return tuple(cand[5])
+    return sequence_from_stages(P, cand[3])
 
 
 def _drop_useless(P, seq):
