@@ -14,7 +14,7 @@ import time
 
 from tf_remat._units import format_bytes
 
-__all__ = ["MaxBatchResult", "max_batch_size", "measure_step_peak", "memory_device"]
+__all__ = ["MaxBatchResult", "max_batch_size", "memory_device"]
 
 
 @dataclasses.dataclass
@@ -41,24 +41,6 @@ def memory_device() -> str:
     import tensorflow as tf
 
     return "GPU:0" if tf.config.list_physical_devices("GPU") else "CPU:0"
-
-
-def measure_step_peak(step, x, y, *, device: str | None = None, warmup: int = 1) -> int:
-    """Peak bytes TensorFlow's allocator reports while ``step(x, y)`` runs.
-
-    The first call (tracing, kernel set-up) runs before the counters are reset, so the figure is
-    the steady-state step. Memory already allocated when the step starts (weights, optimizer
-    slots, the batch) counts, as in the budget.
-    """
-    import tensorflow as tf
-
-    device = device or memory_device()
-    for _ in range(warmup):
-        _block(step(x, y))
-    gc.collect()
-    tf.config.experimental.reset_memory_stats(device)
-    _block(step(x, y))
-    return int(tf.config.experimental.get_memory_info(device)["peak"])
 
 
 def _block(out):
@@ -97,10 +79,16 @@ def _plain_step(model, loss_fn, optimizer):
     return step
 
 
-def _probe(build, batch, budget, *, remat, strategy, time_limit, verbose):
-    """Measured peak at this batch (plain or rewritten), or None when no plan fits."""
+def _probe(build, batch, budget, *, remat, strategy, time_limit, verbose, cost_model):
+    """Measured step peak at this batch (plain or rewritten), or None when no plan fits.
+
+    The figure is :func:`tf_remat.api.measure_step_peak`'s ``step_peak_bytes``: the step's own
+    peak (its variables, optimizer slots, batch and temporaries), so memory the process still
+    holds from earlier probes does not count against this one.
+    """
     import keras
 
+    from tf_remat.api import measure_step_peak
     from tf_remat.errors import InfeasibleBudgetError, RematError
 
     keras.backend.clear_session()
@@ -114,24 +102,28 @@ def _probe(build, batch, budget, *, remat, strategy, time_limit, verbose):
         try:
             step = optimize(model, budget_bytes=budget, input_spec=input_spec,
                             label_spec=label_spec, strategy=strategy, time_limit=time_limit,
-                            verbose=0)
+                            verbose=0, cost_model=cost_model, attach=False)
         except InfeasibleBudgetError:
             return None, time.perf_counter() - t0
         except RematError as exc:
             if verbose:
                 print(f"  batch {batch}: {exc}")
             return None, time.perf_counter() - t0
+        peak = step.measure(x, y)["step_peak_bytes"]
     else:
-        model.optimizer.build(model.trainable_variables)
-        step = _plain_step(model, model.loss if callable(model.loss) else
-                           keras.losses.get(model.loss), model.optimizer)
-    peak = measure_step_peak(step, x, y)
+        opt = model.optimizer
+        opt.build(model.trainable_variables)
+        loss_fn = model.loss if callable(model.loss) else keras.losses.get(model.loss)
+        step = _plain_step(model, loss_fn, opt)
+        variables = [getattr(v, "value", v) for v in list(model.variables) + list(opt.variables)]
+        peak = measure_step_peak(step, x, y, variables=variables)["step_peak_bytes"]
     return peak, time.perf_counter() - t0
 
 
 def max_batch_size(build, budget_gb: float | None = None, *, budget_bytes: int | None = None,
                    strategy: str = "auto", time_limit: float = 30.0, start: int = 1,
-                   max_batch: int = 4096, verbose: int = 1) -> MaxBatchResult:
+                   max_batch: int = 4096, cost_model: str = "flops",
+                   verbose: int = 1) -> MaxBatchResult:
     """Largest batch sizes that train within the budget, plain and with rematerialization.
 
     Args:
@@ -140,6 +132,9 @@ def max_batch_size(build, budget_gb: float | None = None, *, budget_bytes: int |
         strategy, time_limit: passed to :func:`tf_remat.optimize` for each probe.
         start: the first batch size tried; doubled until a size fails, then bisected.
         max_batch: stop growing here.
+        cost_model: op costs for the solver, ``"flops"`` (default: every batch size has new
+            shapes, and profiling each would dominate the search; costs only steer which
+            values are recomputed, never whether a size fits) or ``"profile"``.
 
     Returns:
         :class:`MaxBatchResult`; both sizes were confirmed by a measured run within budget.
@@ -161,7 +156,7 @@ def max_batch_size(build, budget_gb: float | None = None, *, budget_bytes: int |
 
     def fits(batch, remat):
         peak, secs = _probe(build, batch, budget, remat=remat, strategy=strategy,
-                            time_limit=time_limit, verbose=verbose)
+                            time_limit=time_limit, verbose=verbose, cost_model=cost_model)
         ok = peak is not None and peak <= budget
         probes.append({"batch": batch, "remat": remat, "peak_bytes": peak, "fits": ok,
                        "seconds": round(secs, 2)})

@@ -169,7 +169,8 @@ def cmd_max_batch(args) -> int:
     build = load_builder(args.model, args.module, input_size=args.input)
     result = max_batch_size(build, budget_gb=args.budget_gb, strategy=args.strategy,
                             time_limit=args.time_limit, start=args.start,
-                            max_batch=args.max, verbose=0 if args.json else 1)
+                            max_batch=args.max, cost_model=args.cost_model,
+                            verbose=0 if args.json else 1)
     if args.json:
         print(json.dumps(result.to_dict()))
     return 0
@@ -195,6 +196,19 @@ def cmd_extract(args) -> int:
           f"{format_bytes(g.fixed_memory)}, total cost {g.total_cost:.4g} s "
           f"({args.cost_model}); {time.perf_counter() - t0:.1f} s")
     print(f"wrote {out} and {op_map_path(out)}")
+    return 0
+
+
+def cmd_plot(args) -> int:
+    from tf_remat.graph import Graph
+    from tf_remat.plan import Plan
+    from tf_remat.plot import plot_memory
+
+    g = Graph.load(args.graph)
+    plans = [Plan.load(p) for p in args.plans]
+    budget = parse_budget(args.budget, g.no_remat_peak) if args.budget else None
+    out = plot_memory(g, plans, args.output, budget=budget, x=args.x)
+    print(f"wrote {out}")
     return 0
 
 
@@ -290,6 +304,8 @@ def _build_parser() -> argparse.ArgumentParser:
     s.add_argument("--time-limit", type=float, default=30.0, help="seconds per solve")
     s.add_argument("--start", type=int, default=8, help="first batch size tried")
     s.add_argument("--max", type=int, default=4096, help="largest batch size tried")
+    s.add_argument("--cost-model", default="flops", choices=("flops", "profile"),
+                   help="op costs for the solver (flops: no profiling at every size)")
     s.add_argument("--json", action="store_true",
                    help='one line {"plain_batch", "remat_batch", "budget_bytes"}')
     s.set_defaults(func=cmd_max_batch)
@@ -307,6 +323,16 @@ def _build_parser() -> argparse.ArgumentParser:
     s.add_argument("-o", "--output", help="graph JSON to write (default <model>_b<batch>.json);"
                                           " the op map goes beside it as .ops.json")
     s.set_defaults(func=cmd_extract)
+
+    s = sub.add_parser("plot", help="memory over the schedule, one line per plan, vs the budget")
+    s.add_argument("graph")
+    s.add_argument("plans", nargs="+", metavar="PLAN")
+    s.add_argument("-o", "--output", default="memory.png", help="PNG/PDF/SVG to write")
+    s.add_argument("--budget", "-b", default=None,
+                   help="budget line (bytes, with a unit, or a fraction); default: the plans'")
+    s.add_argument("--x", default="cost", choices=("cost", "step"),
+                   help="x axis: cumulative node cost (time) or compute steps")
+    s.set_defaults(func=cmd_plot)
 
     s = sub.add_parser("demo", help="the main job on a bundled example")
     s.add_argument("--graph", default=None,

@@ -14,7 +14,24 @@ import statistics
 import sys
 import time
 
-__all__ = ["load_builder", "synthetic_dataset", "EpochLog", "train"]
+__all__ = ["load_builder", "load_function", "synthetic_dataset", "EpochLog", "train"]
+
+
+def load_function(ref: str, what: str = "--module"):
+    """The function named by ``path/to/file.py:function``."""
+    if ":" not in ref:
+        raise ValueError(f"{what} {ref!r} must be path/to/file.py:function")
+    path, func = ref.rsplit(":", 1)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{what} file {path!r} does not exist")
+    spec = importlib.util.spec_from_file_location(
+        "tf_remat_user_" + os.path.splitext(os.path.basename(path))[0], path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    if not callable(getattr(mod, func, None)):
+        raise ValueError(f"{path} has no function {func!r}")
+    return getattr(mod, func)
 
 
 def load_builder(model: str | None = None, module: str | None = None, *, input_size=None,
@@ -24,22 +41,16 @@ def load_builder(model: str | None = None, module: str | None = None, *, input_s
     if (model is None) == (module is None):
         raise ValueError("give --model NAME or --module file.py:build (one of them)")
     if module is not None:
-        if ":" not in module:
-            raise ValueError(f"--module {module!r} must be path/to/file.py:function")
-        path, func = module.rsplit(":", 1)
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"--module file {path!r} does not exist")
-        spec = importlib.util.spec_from_file_location(
-            "tf_remat_user_" + os.path.splitext(os.path.basename(path))[0], path)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = mod
-        spec.loader.exec_module(mod)
-        if not hasattr(mod, func):
-            raise ValueError(f"{path} has no function {func!r}")
-        return getattr(mod, func)
-    from tf_remat.zoo import builder
+        return load_function(module, "--module")
+    from tf_remat.zoo import get_model
 
-    return builder(model, input_size=input_size, num_classes=num_classes)
+    get_model(model, 1, input_size, num_classes)  # an unknown name or size fails here, early
+
+    def build(batch_size):
+        return get_model(model, batch_size, input_size, num_classes)
+
+    build.__name__ = f"zoo_{model}"
+    return build
 
 
 def synthetic_dataset(input_spec, label_spec, *, batches: int = 8, seed: int = 0):
@@ -75,6 +86,15 @@ def _labels_for(x, label_spec, rng):
                       0, classes - 1)
         return np.broadcast_to(per.reshape((b,) + (1,) * (len(shape) - 1)), shape).astype(dtype)
     return np.broadcast_to(signal.reshape((b,) + (1,) * (len(shape) - 1)), shape).astype(dtype)
+
+
+def _batch_of(ds):
+    spec = ds.element_spec
+    first = spec[0] if isinstance(spec, (tuple, list)) else spec
+    import tensorflow as tf
+
+    first = tf.nest.flatten(first)[0]
+    return first.shape[0] if first.shape.rank else None
 
 
 class EpochLog:
@@ -117,8 +137,14 @@ class EpochLog:
 
 def train(build, *, batch: int, epochs: int, budget_gb: float | None = None,
           remat: bool = True, strategy: str = "auto", time_limit: float = 60.0,
-          batches_per_epoch: int = 8, log: str | None = None, verbose: int = 1):
-    """Train ``build(batch)``'s model on synthetic data; returns (history, rows, step_or_None)."""
+          batches_per_epoch: int = 8, log: str | None = None, verbose: int = 1,
+          dataset=None):
+    """Train ``build(batch)``'s model; returns ``(history, rows, step_or_None)``.
+
+    ``dataset``: a ``tf.data.Dataset`` of ``(x, y)`` batches of size ``batch`` (the last partial
+    batch is dropped: the rewritten step is static), or a function ``dataset(batch)`` returning
+    one; default: a fixed synthetic data set of ``batches_per_epoch`` batches.
+    """
     model, input_spec, label_spec = build(batch)
     step = None
     if remat:
@@ -129,7 +155,11 @@ def train(build, *, batch: int, epochs: int, budget_gb: float | None = None,
         step = optimize(model, budget_gb=budget_gb, input_spec=input_spec,
                         label_spec=label_spec, strategy=strategy, time_limit=time_limit,
                         verbose=verbose)
-    ds = synthetic_dataset(input_spec, label_spec, batches=batches_per_epoch)
+    if dataset is None:
+        ds = synthetic_dataset(input_spec, label_spec, batches=batches_per_epoch)
+    else:
+        ds = dataset(batch) if callable(dataset) else dataset
+        ds = ds.rebatch(batch, drop_remainder=True) if _batch_of(ds) != batch else ds
     logger = EpochLog()
     history = model.fit(ds, epochs=epochs, callbacks=[logger], verbose=verbose)
     if log:

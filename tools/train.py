@@ -3,13 +3,19 @@
 
     python tools/train.py --model small_cnn --batch 64 --epochs 3 --budget-gb 0.25 --log run.csv
     python tools/train.py --module my_model.py:build --batch 32 --epochs 3 --no-remat
+    python tools/train.py --module my_model.py:build --data my_model.py:dataset --batch 32 ...
 
-``build(batch_size)`` returns ``(compiled_model, input_spec, label_spec)``. The CSV log has one row
+``build(batch_size)`` returns ``(compiled_model, input_spec, label_spec)``; ``dataset(batch_size)``
+(optional) returns a ``tf.data.Dataset`` of ``(x, y)`` batches. The CSV log has one row
 per epoch: epoch, loss, step_time_s (median measured), peak_bytes (measured).
 """
 
 import argparse
+import os
 import sys
+
+# run from a checkout without installing
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main(argv=None):
@@ -25,20 +31,24 @@ def main(argv=None):
     p.add_argument("--time-limit", type=float, default=60.0)
     p.add_argument("--batches-per-epoch", type=int, default=8)
     p.add_argument("--input", default=None, help="HxW for zoo models")
+    p.add_argument("--data", default=None,
+                   help="path/to/file.py:function returning a tf.data.Dataset of (x, y) "
+                        "(default: fixed synthetic data)")
     p.add_argument("--log", default=None, help="CSV file, one row per epoch")
     p.add_argument("--verbose", type=int, default=1)
     args = p.parse_args(argv)
 
     from tf_remat.errors import RematError
-    from tf_remat.training import load_builder, train
+    from tf_remat.training import load_builder, load_function, train
 
     try:
         build = load_builder(args.model, args.module, input_size=args.input)
+        dataset = load_function(args.data, "--data") if args.data else None
         _, rows, step = train(build, batch=args.batch, epochs=args.epochs,
                               budget_gb=args.budget_gb, remat=not args.no_remat,
                               strategy=args.strategy, time_limit=args.time_limit,
                               batches_per_epoch=args.batches_per_epoch, log=args.log,
-                              verbose=args.verbose)
+                              verbose=args.verbose, dataset=dataset)
     except (RematError, ValueError, FileNotFoundError) as exc:
         print(f"train.py: error: {exc}", file=sys.stderr)
         return 2
