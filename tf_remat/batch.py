@@ -43,27 +43,6 @@ def memory_device() -> str:
     return "GPU:0" if tf.config.list_physical_devices("GPU") else "CPU:0"
 
 
-def _block(out):
-    import tensorflow as tf
-
-    for t in tf.nest.flatten(out):
-        if hasattr(t, "numpy"):
-            t.numpy()
-
-
-def _synthetic_batch(input_spec, label_spec, seed=0):
-    import tensorflow as tf
-
-    g = tf.random.Generator.from_seed(seed)
-
-    def make(spec):
-        if spec.dtype.is_integer:
-            return tf.zeros(spec.shape, spec.dtype)
-        return tf.cast(g.normal(spec.shape), spec.dtype)
-
-    return tf.nest.map_structure(make, input_spec), tf.nest.map_structure(make, label_spec)
-
-
 def _plain_step(model, loss_fn, optimizer):
     import tensorflow as tf
 
@@ -88,7 +67,7 @@ def _probe(build, batch, budget, *, remat, strategy, time_limit, verbose, cost_m
     """
     import keras
 
-    from tf_remat.api import measure_step_peak
+    from tf_remat.api import _synthetic_batch, measure_step_peak
     from tf_remat.errors import InfeasibleBudgetError, RematError
 
     keras.backend.clear_session()
