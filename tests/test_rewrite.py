@@ -1,0 +1,297 @@
+"""The rewritten step runs the plan: same loss, gradients and updates; lower measured peak.
+
+Tolerance (``close``): a rewritten step runs the same kernels on the same values, but oneDNN may
+fuse a pair in one step and not in the other, and a reduction may be summed in another order.
+float32 carries 2**-23 ~ 1.2e-7 relative error per operation; a reduction of N terms
+re-associated differs by about sqrt(N) * 1.2e-7 of the summed magnitude (N <= 65536 here: ~3e-5),
+hence ``rtol = 1e-4``. A gradient that cancels to almost zero (a bias feeding BatchNorm) has only
+rounding noise left, whose size follows the terms summed, not the result, hence an absolute
+floor of ``1e-5`` times the largest value of the same kind (all gradients, or the variable).
+"""
+
+import dataclasses
+import heapq
+
+import numpy as np
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+keras = pytest.importorskip("keras")
+
+from tf_remat.errors import PlanError  # noqa: E402
+from tf_remat.plan import Schedule, make_plan, simulate, steps_from_sequence  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+RTOL = 1e-4
+ATOL_FRACTION = 1e-5
+
+
+# --------------------------------------------------------------------- models
+def skip_cnn(batch=32, hw=32, width=16, blocks=2, optimizer="adam"):
+    """Convolutions with residual skips, BatchNorm and Dropout (no bias before BatchNorm)."""
+    inp = keras.Input((hw, hw, 3))
+    h = keras.layers.Conv2D(width, 3, padding="same", use_bias=False)(inp)
+    h = keras.layers.BatchNormalization()(h)
+    h = keras.layers.ReLU()(h)
+    for _ in range(blocks):
+        r = keras.layers.Conv2D(width, 3, padding="same", use_bias=False)(h)
+        r = keras.layers.BatchNormalization()(r)
+        r = keras.layers.ReLU()(r)
+        r = keras.layers.Dropout(0.25)(r)
+        r = keras.layers.Conv2D(width, 3, padding="same", use_bias=False)(r)
+        r = keras.layers.BatchNormalization()(r)
+        h = keras.layers.ReLU()(keras.layers.Add()([r, h]))
+    h = keras.layers.GlobalAveragePooling2D()(h)
+    out = keras.layers.Dense(10)(h)
+    model = keras.Model(inp, out, name="skip_cnn")
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  optimizer=optimizer)
+    return model, tf.TensorSpec((batch, hw, hw, 3)), tf.TensorSpec((batch,), tf.int32)
+
+
+def mlp(batch=1024, d=256, width=512, depth=3):
+    """Dense layers with ReLU and Dropout."""
+    inp = keras.Input((d,))
+    h = inp
+    for _ in range(depth):
+        h = keras.layers.Dense(width, activation="relu")(h)
+        h = keras.layers.Dropout(0.2)(h)
+    out = keras.layers.Dense(10)(h)
+    model = keras.Model(inp, out, name="mlp")
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  optimizer="adam")
+    return model, tf.TensorSpec((batch, d)), tf.TensorSpec((batch,), tf.int32)
+
+
+BUILDERS = {"skip_cnn": skip_cnn, "mlp": mlp}
+_CACHE = {}
+
+
+def extracted(name, apply_updates=True):
+    key = (name, apply_updates)
+    if key not in _CACHE:
+        from tf_remat.extract import extract
+
+        keras.utils.set_random_seed(1)
+        model, xs, ys = BUILDERS[name]()
+        _CACHE[key] = extract(model, input_spec=xs, label_spec=ys, cost_model="flops",
+                              verbose=0, apply_updates=apply_updates)
+    return _CACHE[key]
+
+
+def batch_for(ex, seed=0):
+    rng = np.random.default_rng(seed)
+    xs, ys = ex.traced.input_spec, ex.traced.label_spec
+    x = tf.constant(rng.standard_normal(xs.shape).astype("float32"))
+    y = tf.constant(rng.integers(0, 10, ys.shape).astype("int32"))
+    return x, y
+
+
+class Snapshot:
+    """Save every variable a step captures; restore between runs."""
+
+    def __init__(self, variables):
+        self.variables = list(variables)
+        self.values = [v.numpy() for v in self.variables]
+
+    def restore(self):
+        for v, s in zip(self.variables, self.values):
+            v.assign(s)
+
+    def now(self):
+        return [v.numpy() for v in self.variables]
+
+
+def close(a, b, scale):
+    """``|a - b| <= RTOL |a| + ATOL_FRACTION * scale`` elementwise (see the module docstring)."""
+    a, b = np.asarray(a), np.asarray(b)
+    return np.all(np.abs(a - b) <= RTOL * np.abs(a) + ATOL_FRACTION * scale)
+
+
+def run_both(ex, step, x, y):
+    """Outputs and variables after one original and one rewritten step from the same state."""
+    snap = Snapshot(ex.traced.variables)
+    try:
+        o1 = tf.nest.map_structure(lambda t: t.numpy(), ex.traced.function(x, y))
+        v1 = snap.now()
+        snap.restore()
+        o2 = tf.nest.map_structure(lambda t: t.numpy(), step(x, y))
+        v2 = snap.now()
+    finally:
+        snap.restore()
+    return o1, o2, v1, v2, snap.values
+
+
+def assert_same_step(ex, step, x, y):
+    o1, o2, v1, v2, before = run_both(ex, step, x, y)
+    o1, o2 = (list(o) if isinstance(o, (list, tuple)) else [o] for o in (o1, o2))
+    assert np.isfinite(o1[0]) and abs(o1[0] - o2[0]) <= RTOL * abs(o1[0]), (o1[0], o2[0])
+    if len(o1) > 1:  # gradients
+        scale = max(float(np.abs(g).max()) for g in o1[1:])
+        for i, (g1, g2) in enumerate(zip(o1[1:], o2[1:])):
+            assert close(g1, g2, scale), f"gradient {i}: max diff {np.abs(g1 - g2).max()}"
+    names = [v.name for v in ex.traced.variables]
+    changed = 0
+    for name, a, b, s in zip(names, v1, v2, before):
+        changed += not np.array_equal(a, s)
+        assert close(a, b, float(np.abs(a).max())), \
+            f"variable {name}: max diff {np.abs(a - b).max()} (update {np.abs(a - s).max()})"
+    assert changed, "the step changed no variable"
+    return o1, o2
+
+
+def measured(step, ex, x, y):
+    from tf_remat.api import measure_step_peak
+
+    return measure_step_peak(step, x, y, variables=ex.traced.variables)["step_peak_bytes"]
+
+
+def plan_for(ex, fraction, strategy="linearized-greedy"):
+    from tf_remat.solvers import solve
+
+    g = ex.graph
+    return solve(g, int(g.no_remat_peak * fraction), strategy, time_limit=20)
+
+
+def updates_first_plan(graph):
+    """An adversarial valid plan: optimizer and other stateful nodes run as soon as they can,
+    and every forward input of a backward node is recomputed right before it, so recomputed
+    copies read weights whose update already ran."""
+    g = graph
+    indeg = [len(g.preds[v]) for v in range(g.n)]
+    pos = g.position
+    key = lambda v: (0 if not g.recomputable[v] else 1, pos[v], v)  # noqa: E731
+    ready = [key(v) for v in range(g.n) if indeg[v] == 0]
+    heapq.heapify(ready)
+    seq = []
+    while ready:
+        v = heapq.heappop(ready)[2]
+        if g.backward[v]:
+            seq.extend(u for u in sorted(g.preds[v], key=pos.__getitem__)
+                       if not g.backward[u] and g.recomputable[u])
+        seq.append(v)
+        for s in g.succs[v]:
+            indeg[s] -= 1
+            if indeg[s] == 0:
+                heapq.heappush(ready, key(s))
+    return make_plan(g, Schedule(sequence=seq), 2**62, strategy="updates-first")
+
+
+# --------------------------------------------------------------------- tests
+@pytest.mark.parametrize("name", ["skip_cnn", "mlp"])
+def test_reference_order_is_the_original_step(name):
+    from tf_remat.rewrite import rewrite
+
+    ex = extracted(name)
+    plan = plan_for(ex, 1.0, "checkpoint-all")
+    step = rewrite(ex.traced, ex.graph, ex.op_map, plan)
+    assert step.info["recomputed_ops"] == 0
+    assert_same_step(ex, step, *batch_for(ex))
+
+
+@pytest.mark.parametrize("name", ["skip_cnn", "mlp"])
+def test_recomputing_plan_same_loss_gradients_updates(name):
+    from tf_remat.rewrite import rewrite
+
+    for apply_updates in (False, True):
+        ex = extracted(name, apply_updates)
+        plan = plan_for(ex, 0.6 if name == "skip_cnn" else 0.9)
+        counts = simulate(ex.graph, plan.steps).compute_counts
+        recomputed = [v for v, c in enumerate(counts) if c > 1]
+        assert plan.within_budget and recomputed, "the test plan must recompute something"
+        assert any("dropout" in op for v in recomputed for op in ex.op_map.nodes[v]) or \
+            name == "mlp", "a dropout mask should be recomputed"
+        step = rewrite(ex.traced, ex.graph, ex.op_map, plan)
+        assert step.info["recomputed_ops"] > 0
+        assert_same_step(ex, step, *batch_for(ex))
+
+
+def test_copies_reading_updated_weights_read_the_old_values():
+    """Recomputed copies that run after their weight's optimizer update still see the weight
+    as it was at the start of the step (resource variables copy on write)."""
+    from tf_remat.rewrite import rewrite
+
+    ex = extracted("skip_cnn")
+    plan = updates_first_plan(ex.graph)
+    fg = ex.traced.function.graph
+    node_of = ex.op_map.node_of()
+    updated, late_reads = {}, 0
+    for p, v in enumerate(plan.sequence):
+        for o in ex.op_map.nodes[v]:
+            op = fg.get_operation_by_name(o)
+            if op.type.startswith("Assign"):
+                updated.setdefault(op.inputs[0].op.name, p)
+            for t in op.inputs:
+                if t.op.type == "ReadVariableOp" and t.op.name not in node_of:
+                    r = t.op.inputs[0].op.name
+                    late_reads += r in updated and updated[r] < p
+    assert late_reads > 0, "the adversarial plan should read some weight after its update"
+    step = rewrite(ex.traced, ex.graph, ex.op_map, plan)
+    assert_same_step(ex, step, *batch_for(ex))
+
+
+def test_stateful_ops_emitted_once_and_refused_twice():
+    from tf_remat.rewrite import build_graph_def, rewrite
+
+    ex = extracted("skip_cnn")
+    g = ex.graph
+    plan = plan_for(ex, 0.6)
+    gd, _, _, _ = build_graph_def(ex.traced, ex.op_map, plan.sequence)
+    stateful = [op for v in range(g.n) if not g.recomputable[v] for op in ex.op_map.nodes[v]]
+    names = [nd.name for nd in gd.node]
+    for op in stateful:
+        assert names.count(op) == 1
+    assert not any(n.startswith(op + "/_remat") for op in stateful for n in names)
+    v = next(v for v in g.order if not g.recomputable[v])
+    twice = dataclasses.replace(plan, steps=steps_from_sequence(g, list(g.order) + [v]))
+    with pytest.raises(PlanError, match="not recomputable"):
+        rewrite(ex.traced, g, ex.op_map, twice)
+
+
+def test_measured_peak_follows_the_plan():
+    """TensorFlow's measured peak drops with the plan's simulated peak and stays near it; an
+    unordered copy of the same ops (no chain) saves nothing."""
+    from tf_remat.rewrite import rewrite
+
+    ex = extracted("skip_cnn")
+    x, y = batch_for(ex)
+    base = measured(ex.traced.function, ex, x, y)
+    g = ex.graph
+    assert abs(base - g.no_remat_peak) <= 0.15 * base
+    plan = plan_for(ex, 0.6)
+    assert plan.within_budget
+    step = rewrite(ex.traced, g, ex.op_map, plan)
+    peak = measured(step, ex, x, y)
+    assert peak <= 1.05 * plan.budget, (peak, plan.budget)
+    assert abs(peak - plan.peak_memory) <= 0.15 * plan.peak_memory, (peak, plan.peak_memory)
+    assert peak < 0.8 * base
+    loose = rewrite(ex.traced, g, ex.op_map, plan, chain="none")
+    assert measured(loose, ex, x, y) > 0.9 * base
+
+
+def test_op_chain_also_runs_the_plan():
+    from tf_remat.rewrite import rewrite
+
+    ex = extracted("mlp", apply_updates=False)
+    plan = plan_for(ex, 0.9)
+    step = rewrite(ex.traced, ex.graph, ex.op_map, plan, chain="op")
+    assert step.info["chain_edges"] >= step.info["ops_emitted"] - 1
+    assert_same_step(ex, step, *batch_for(ex))
+
+
+def test_invalid_plan_and_mismatched_op_map_are_refused():
+    from tf_remat.errors import RematError
+    from tf_remat.rewrite import rewrite
+
+    ex = extracted("mlp")
+    g = ex.graph
+    plan = plan_for(ex, 1.0, "checkpoint-all")
+    broken = dataclasses.replace(plan, steps=plan.steps[1:])
+    with pytest.raises(PlanError):
+        rewrite(ex.traced, g, ex.op_map, broken)
+    other = extracted("skip_cnn").op_map
+    with pytest.raises(RematError, match="op map"):
+        rewrite(ex.traced, g, other, plan)
+    with pytest.raises(ValueError, match="chain"):
+        rewrite(ex.traced, g, ex.op_map, plan, chain="sometimes")

@@ -1,0 +1,602 @@
+"""``tf_remat.optimize``: a Keras model and a memory budget in, a rematerialized training step out.
+
+Pipeline: :func:`tf_remat.extract.extract` (trace + cost the step) ->
+:func:`tf_remat.solvers.solve` (a plan within the budget, checked by the simulator) ->
+:func:`tf_remat.rewrite.rewrite` (a static step that runs the plan) -> a measured check: the
+step is run once on synthetic data (the model's variables are saved before and restored after)
+and, when TensorFlow's measured peak is over the budget, the plan is solved again with the budget
+lowered by the measured excess (the simulator does not see every temporary buffer, so the
+measured peak of a step can exceed its simulated peak by a few percent).
+
+After ``optimize``, ``model.fit`` trains with the rewritten step (see :meth:`OptimizedStep.attach`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from typing import Any
+
+from tf_remat._units import format_bytes
+from tf_remat.errors import InfeasibleBudgetError, RematError, UnsupportedOpError
+
+__all__ = ["optimize", "OptimizedStep", "detach", "measure_step_peak", "solve_isolated"]
+
+#: attempts at meeting the budget as measured (each solves again with a lower budget)
+_MAX_ATTEMPTS = 3
+#: a measured peak this close over the budget counts as within it (allocator rounding)
+_MEASURE_SLACK = 0.005
+
+
+def optimize(model, budget_gb: float | None = None, *, budget_bytes: int | None = None,
+             input_spec, label_spec, loss=None, optimizer=None, strategy="auto",
+             time_limit: float | None = 60.0, verbose: int = 1, cost_model: str = "profile",
+             verify: bool = True, attach: bool = True, chain: str = "node") -> "OptimizedStep":
+    """Rematerialize ``model``'s training step to fit ``budget_gb`` GiB of peak memory.
+
+    Args:
+        model: a Keras 3 model (TensorFlow backend); compiled, or pass ``loss`` and
+            ``optimizer``.
+        budget_gb: the budget in GiB (2**30 bytes, as GPU memory is quoted): the whole step's
+            peak as TensorFlow counts it (weights, optimizer slots, the batch, activations).
+        budget_bytes: the budget in bytes, instead of ``budget_gb``.
+        input_spec, label_spec: ``tf.TensorSpec`` (or nests of them) with every dimension known,
+            the batch size included.
+        loss, optimizer: default: what ``model.compile`` set.
+        strategy: a solver strategy name (``tf-remat strategies``) or callable.
+        time_limit: seconds the solver may take.
+        verbose: 0 silent; 1 progress and a summary line.
+        cost_model: ``"profile"`` (measure each op here, cached) or ``"flops"``.
+        verify: run the rewritten step once (variables saved and restored) and re-solve with a
+            lower budget while TensorFlow's measured peak is over the budget.
+        attach: make ``model.fit`` train with the rewritten step (undo with ``step.detach()``).
+        chain: how the plan's order is imposed (see :func:`tf_remat.rewrite.rewrite`).
+
+    Returns:
+        An :class:`OptimizedStep`: ``step(x, y)`` runs one training step (optimizer update
+        included) and returns the loss; ``step.gradients(x, y)``; ``step.report``,
+        ``step.plan``, ``step.graph``.
+
+    Raises:
+        InfeasibleBudgetError: no plan fits the budget; the message (and ``min_feasible``)
+            gives the smallest budget found reachable. The model is left as it was.
+        UnsupportedOpError: the step cannot be traced with static shapes (the message names the
+            tensor), or there is no loss / optimizer.
+
+    Example:
+        >>> step = tf_remat.optimize(model, budget_gb=16,
+        ...                          input_spec=tf.TensorSpec((32, 224, 224, 3)),
+        ...                          label_spec=tf.TensorSpec((32,), tf.int32))  # doctest: +SKIP
+        >>> loss = step(x, y)                                                    # doctest: +SKIP
+        >>> model.fit(dataset.batch(32), epochs=3)   # trains with the step    # doctest: +SKIP
+    """
+    budget = _budget_bytes(budget_gb, budget_bytes)
+    opts = dict(loss=loss, optimizer=optimizer, strategy=strategy, time_limit=time_limit,
+                verbose=verbose, cost_model=cost_model, verify=verify, chain=chain)
+    step = OptimizedStep(model, budget, input_spec, label_spec, opts)
+    step._primary()  # extract, solve, rewrite, verify; raises before any change to the model
+    if verbose:
+        print(step.summary(), file=sys.stderr, flush=True)
+    if attach:
+        step.attach()
+    return step
+
+
+def detach(model) -> bool:
+    """Make ``model.fit`` use Keras's own training step again; True if a step was attached."""
+    step = getattr(model, "_tf_remat_step", None)
+    if step is None:
+        return False
+    step.detach()
+    return True
+
+
+# --------------------------------------------------------------------- the step
+@dataclasses.dataclass
+class _Built:
+    """One rewritten step for one batch size (and one of update / gradients-only)."""
+
+    extraction: Any
+    plan: Any
+    step: Any           # tf_remat.rewrite.RewrittenStep
+    solve_budget: int
+    measured: dict | None
+    attempts: list
+    seconds: dict
+
+
+class OptimizedStep:
+    """A Keras model's training step rewritten to run a rematerialization plan.
+
+    Attributes:
+        model: the model.
+        budget_bytes: the budget.
+        plan, graph: the :class:`~tf_remat.plan.Plan` and :class:`~tf_remat.graph.Graph` of the
+            step at the spec's batch size (``plan.save(path)`` / ``graph.save(path)``).
+        report: a dict: ``strategy, status, budget_bytes, predicted_peak_bytes,
+            baseline_peak_bytes, predicted_overhead, solve_seconds`` and, when the step was
+            verified, ``measured_peak_bytes``; also ``nodes, recomputed_nodes, attempts,
+            extract_seconds, rewrite_seconds``.
+    """
+
+    def __init__(self, model, budget, input_spec, label_spec, opts):
+        self.model = model
+        self.budget_bytes = int(budget)
+        self.input_spec = input_spec
+        self.label_spec = label_spec
+        self._opts = opts
+        self._train = {}     # batch size -> _Built (with the optimizer update)
+        self._grads = {}     # batch size -> _Built (gradients only)
+        self._attached = False
+        self._warned = set()
+
+    # ------------------------------------------------------------ public
+    def __call__(self, x, y):
+        """One training step on ``(x, y)`` (optimizer update included); returns the loss."""
+        return self._built_for(x, apply_updates=True).step(*self._cast(x, y))
+
+    def gradients(self, x, y) -> list:
+        """Gradients of the loss on ``(x, y)``, aligned with ``model.trainable_variables``.
+
+        The variables are not updated by the optimizer; the forward pass's own state updates
+        (BatchNorm moving statistics, dropout seed) happen, as in a training step. Built (and
+        solved within the same budget) on first use.
+        """
+        out = self._built_for(x, apply_updates=False).step(*self._cast(x, y))
+        return list(out[1:])
+
+    @property
+    def plan(self):
+        return self._primary().plan
+
+    @property
+    def graph(self):
+        return self._primary().extraction.graph
+
+    @property
+    def op_map(self):
+        return self._primary().extraction.op_map
+
+    @property
+    def rewritten(self):
+        """The :class:`~tf_remat.rewrite.RewrittenStep` at the spec's batch size."""
+        return self._primary().step
+
+    @property
+    def report(self) -> dict:
+        b = self._primary()
+        plan, graph = b.plan, b.extraction.graph
+        from tf_remat.plan import simulate
+
+        counts = simulate(graph, plan.steps).compute_counts
+        rep = {"strategy": plan.strategy, "status": plan.status,
+               "budget_bytes": self.budget_bytes, "predicted_peak_bytes": plan.peak_memory,
+               "baseline_peak_bytes": graph.no_remat_peak,
+               "predicted_overhead": plan.overhead, "solve_seconds": plan.solve_seconds}
+        if b.measured is not None:
+            rep["measured_peak_bytes"] = b.measured["step_peak_bytes"]
+        rep.update({"solve_budget_bytes": b.solve_budget, "nodes": graph.n,
+                    "recomputed_nodes": sum(1 for c in counts if c > 1),
+                    "attempts": len(b.attempts), "extract_seconds": b.seconds.get("extract"),
+                    "rewrite_seconds": b.seconds.get("rewrite"),
+                    "lower_bound_bytes": graph.budget_lower_bound})
+        return rep
+
+    def summary(self) -> str:
+        r = self.report
+        meas = (f", measured {format_bytes(r['measured_peak_bytes'])}"
+                if "measured_peak_bytes" in r else "")
+        return (f"tf-remat: {r['strategy']} plan for budget {format_bytes(r['budget_bytes'])}: "
+                f"predicted peak {format_bytes(r['predicted_peak_bytes'])}{meas} "
+                f"(no rematerialization {format_bytes(r['baseline_peak_bytes'])}), "
+                f"{r['recomputed_nodes']} of {r['nodes']} nodes recomputed, predicted overhead "
+                f"{100 * (r['predicted_overhead'] or 0):.1f}%")
+
+    def measure(self, x=None, y=None, *, runs: int = 1) -> dict:
+        """Run the step on ``(x, y)`` (synthetic when None) with the variables saved and restored;
+        TensorFlow's measured peak (see :func:`measure_step_peak`)."""
+        b = self._primary()
+        if x is None or y is None:
+            x, y = _synthetic_batch(self.input_spec, self.label_spec)
+        return measure_step_peak(b.step, x, y, variables=b.extraction.traced.variables,
+                                 runs=runs)
+
+    # ------------------------------------------------------------ model.fit
+    def attach(self) -> None:
+        """Make ``model.fit`` train with this step (progress bar, callbacks, history as usual).
+
+        Keras's ``make_train_function`` is replaced on this model instance; the train function
+        takes each batch from the iterator, runs the rewritten step (a batch of another size,
+        such as the last partial one, gets its own plan within the same budget, built on first
+        use) and updates the model's loss tracker. Compiled metrics other than the loss are not
+        updated. Sample weights and class weights are not supported.
+        """
+        model = self.model
+        old = getattr(model, "_tf_remat_step", None)
+        if old is not None and old is not self:
+            old.detach()
+        this = self
+
+        def make_train_function(force=False):
+            if (model.optimizer is not this._traced_optimizer()) and model.optimizer is not None \
+                    and this._opts.get("optimizer") is None:
+                warnings.warn("tf-remat: the model was compiled again with another optimizer "
+                              "since optimize(); model.fit uses Keras's own step (call "
+                              "optimize again)", stacklevel=2)
+                this.detach()
+                return model.make_train_function(force=True)
+            model.train_function = this._keras_train_function
+            return model.train_function
+
+        object.__setattr__(model, "make_train_function", make_train_function)
+        object.__setattr__(model, "_tf_remat_step", self)
+        model.train_function = None
+        self._attached = True
+        metrics = [m for m in getattr(model, "metrics", []) if m is not
+                   getattr(model, "_loss_tracker", None)]
+        if any(getattr(m, "metrics", [m]) for m in metrics if _has_compiled_metrics(m)):
+            self._warn_once("metrics", "tf-remat: compiled metrics other than the loss are not "
+                                       "updated by the rewritten step; history holds the loss")
+
+    def detach(self) -> None:
+        """Undo :meth:`attach`: ``model.fit`` uses Keras's own training step again."""
+        model = self.model
+        if "make_train_function" in model.__dict__:
+            object.__delattr__(model, "make_train_function")
+        if model.__dict__.get("_tf_remat_step") is self:
+            object.__delattr__(model, "_tf_remat_step")
+        model.train_function = None
+        self._attached = False
+
+    @property
+    def attached(self) -> bool:
+        return self._attached
+
+    def _keras_train_function(self, iterator):
+        import tensorflow as tf
+        from keras.src.trainers.data_adapters import data_adapter_utils
+
+        model = self.model
+        loss = None
+        for _ in range(max(1, int(getattr(model, "steps_per_execution", 1) or 1))):
+            try:
+                data = next(iterator)
+            except (StopIteration, tf.errors.OutOfRangeError):
+                if loss is None:
+                    raise StopIteration
+                break
+            x, y, sw = data_adapter_utils.unpack_x_y_sample_weight(data)
+            if sw is not None:
+                raise UnsupportedOpError(
+                    "tf-remat's rewritten step does not take sample weights (sample_weight= or "
+                    "class_weight= in fit); call tf_remat.detach(model) to train with Keras's "
+                    "own step")
+            loss = self(x, y)
+            tracker = getattr(model, "_loss_tracker", None)
+            if tracker is not None:
+                n = tf.shape(tf.nest.flatten(x)[0])[0]
+                tracker.update_state(loss, sample_weight=n)
+        tracker = getattr(model, "_loss_tracker", None)
+        if tracker is not None:
+            return {"loss": tracker.result()}
+        return {"loss": loss}
+
+    # ------------------------------------------------------------ building
+    def _traced_optimizer(self):
+        return self._primary().extraction.traced.optimizer
+
+    def _primary(self) -> _Built:
+        return self._get(_first_dim(self.input_spec), apply_updates=True)
+
+    def _built_for(self, x, *, apply_updates):
+        return self._get(_batch_of(x), apply_updates=apply_updates)
+
+    def _get(self, batch, *, apply_updates) -> _Built:
+        cache = self._train if apply_updates else self._grads
+        if batch not in cache:
+            if cache and self._opts["verbose"]:
+                print(f"tf-remat: batch size {batch} (a plan within the same budget is built "
+                      f"for it)", file=sys.stderr, flush=True)
+            cache[batch] = self._build(batch, apply_updates)
+        return cache[batch]
+
+    def _build(self, batch, apply_updates) -> _Built:
+        from tf_remat.extract import _with_batch, extract
+        from tf_remat.rewrite import rewrite
+
+        o = self._opts
+        verbose = o["verbose"]
+        t0 = time.perf_counter()
+        ispec = _with_batch(self.input_spec, batch)
+        lspec = _with_batch(self.label_spec, batch)
+        ex = extract(self.model, input_spec=ispec, label_spec=lspec, loss=o["loss"],
+                     optimizer=o["optimizer"], cost_model=o["cost_model"], verbose=verbose,
+                     apply_updates=apply_updates)
+        t1 = time.perf_counter()
+        graph = ex.graph
+        budget = self.budget_bytes
+        solve_budget = budget
+        attempts = []
+        best = None
+        rewrite_s = 0.0
+        for attempt in range(_MAX_ATTEMPTS if o["verify"] else 1):
+            plan = solve_isolated(graph, solve_budget, o["strategy"],
+                                  time_limit=o["time_limit"], verbose=verbose)
+            if not plan.within_budget:
+                if attempt == 0:
+                    _raise_infeasible(graph, plan, budget, o)
+                break  # a lower budget than the first cannot be met: keep the best so far
+            tr = time.perf_counter()
+            step = rewrite(ex.traced, graph, ex.op_map, plan, chain=o["chain"])
+            rewrite_s += time.perf_counter() - tr
+            measured = None
+            if o["verify"]:
+                x, y = _synthetic_batch(ispec, lspec)
+                measured = measure_step_peak(step, x, y, variables=ex.traced.variables)
+                del x, y
+            attempts.append({"solve_budget": solve_budget, "predicted": plan.peak_memory,
+                             "measured": None if measured is None
+                             else measured["step_peak_bytes"]})
+            cand = _Built(ex, plan, step, solve_budget, measured, attempts, {})
+            if measured is None:
+                best = cand
+                break
+            m = measured["step_peak_bytes"]
+            if best is None or m < best.measured["step_peak_bytes"]:
+                best = cand
+            if m <= budget * (1 + _MEASURE_SLACK):
+                best = cand
+                break
+            excess = m - plan.peak_memory
+            new_budget = budget - excess - int(0.005 * budget)
+            if verbose:
+                print(f"tf-remat: measured peak {format_bytes(m)} is over the budget "
+                      f"{format_bytes(budget)} (predicted {format_bytes(plan.peak_memory)}); "
+                      f"solving again for {format_bytes(new_budget)}", file=sys.stderr,
+                      flush=True)
+            if new_budget >= solve_budget:
+                new_budget = solve_budget - max(excess, int(0.01 * budget))
+            if new_budget < graph.budget_lower_bound:
+                break
+            solve_budget = new_budget
+        if best is None:  # pragma: no cover (the first attempt raises)
+            _raise_infeasible(graph, plan, budget, o)
+        if best.measured is not None and \
+                best.measured["step_peak_bytes"] > budget * (1 + _MEASURE_SLACK):
+            m = best.measured["step_peak_bytes"]
+            raise InfeasibleBudgetError(
+                f"budget {format_bytes(budget)} could not be met as TensorFlow measures it: the "
+                f"best plan found predicts {format_bytes(best.plan.peak_memory)} but measures "
+                f"{format_bytes(m)} on this device (after {len(attempts)} attempt(s)); raise "
+                f"the budget to at least {format_bytes(m)} or lower the batch size",
+                budget=budget, min_feasible=m, plan=best.plan)
+        best.seconds = {"extract": t1 - t0, "rewrite": rewrite_s,
+                        "total": time.perf_counter() - t0}
+        best.attempts = attempts
+        return best
+
+    def _cast(self, x, y):
+        import tensorflow as tf
+
+        def cast(t, spec):
+            t = tf.convert_to_tensor(t)
+            return t if t.dtype == spec.dtype else tf.cast(t, spec.dtype)
+
+        try:
+            x = tf.nest.map_structure(cast, x, self.input_spec)
+            y = tf.nest.map_structure(cast, y, self.label_spec)
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"inputs do not match input_spec / label_spec: {exc}") from exc
+        return x, y
+
+    def _warn_once(self, key, message):
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, stacklevel=3)
+
+
+# --------------------------------------------------------------------- measuring
+def measure_step_peak(step, x, y, *, variables=(), runs: int = 1, warmup: int = 1,
+                      device: str | None = None) -> dict:
+    """Run ``step(x, y)`` and read TensorFlow's peak memory; the variables are restored after.
+
+    Returns a dict: ``peak_bytes`` (the allocator's peak during the run, everything in the
+    process included), ``current_before`` (allocated when the run started), ``owned_bytes``
+    (the variables and the batch, which are part of the step's own memory) and
+    ``step_peak_bytes = peak - current_before + owned``: the step's peak as the budget counts
+    it, without memory the process holds for other purposes. With ``runs > 1`` the largest.
+    ``seconds``: the median wall time of the measured runs.
+    """
+    import numpy as np
+    import tensorflow as tf
+
+    from tf_remat.extract import counted_bytes, current_device_kind
+
+    device = device or f"{current_device_kind()}:0"
+    kind = device.split(":")[0]
+    saved = [v.numpy() for v in variables]
+    owned = sum(counted_bytes(int(v.shape.num_elements() or 0) * v.dtype.size, kind)
+                for v in variables)
+    owned += sum(counted_bytes(int(np.prod(t.shape)) * t.dtype.size, kind)
+                 for t in tf.nest.flatten((x, y)))
+    peaks, befores, times = [], [], []
+    try:
+        for _ in range(warmup):
+            _block(step(x, y))
+        for _ in range(max(1, runs)):
+            gc.collect()
+            tf.config.experimental.reset_memory_stats(device)
+            before = tf.config.experimental.get_memory_info(device)["current"]
+            t = time.perf_counter()
+            _block(step(x, y))
+            times.append(time.perf_counter() - t)
+            peaks.append(int(tf.config.experimental.get_memory_info(device)["peak"]))
+            befores.append(int(before))
+    finally:
+        for v, s in zip(variables, saved):
+            v.assign(s)
+    k = int(np.argmax([p - b for p, b in zip(peaks, befores)]))
+    return {"device": device, "peak_bytes": peaks[k], "current_before": befores[k],
+            "owned_bytes": int(owned), "step_peak_bytes": int(peaks[k] - befores[k] + owned),
+            "seconds": float(np.median(times))}
+
+
+# --------------------------------------------------------------------- solving
+def solve_isolated(graph, budget: int, strategy="auto", *, time_limit=None, verbose: int = 0,
+                   **options):
+    """:func:`tf_remat.solvers.solve` in a fresh Python process that never imports TensorFlow.
+
+    OR-Tools' CP-SAT crashes (segmentation fault in ``Solve``) in a process that imported
+    TensorFlow before OR-Tools (google/or-tools#3230; reproduced with TensorFlow 2.21 and
+    OR-Tools 9.15), and a Keras user's process has always imported TensorFlow first. The graph
+    goes to the child as JSON and the plan comes back as JSON; the child's progress lines go to
+    stderr. A callable strategy cannot cross a process boundary and is solved here; so is every
+    solve when the environment variable ``TF_REMAT_SOLVE_IN_PROCESS=1`` is set.
+
+    Raises:
+        StrategyError: an unknown strategy or option (raised here, before any process starts).
+        RematError: the solver process failed (its last stderr lines are in the message).
+    """
+    from tf_remat.plan import Plan
+    from tf_remat.solvers import get_strategy, solve
+
+    if callable(strategy) or os.environ.get("TF_REMAT_SOLVE_IN_PROCESS") == "1":
+        return solve(graph, budget, strategy, time_limit=time_limit, verbose=verbose, **options)
+    get_strategy(strategy)  # unknown names fail here, with the list of valid ones
+    import json
+
+    with tempfile.TemporaryDirectory(prefix="tf_remat_solve_") as tmp:
+        gpath = os.path.join(tmp, "graph.json")
+        ppath = os.path.join(tmp, "plan.json")
+        graph.save(gpath)
+        args = {"graph": gpath, "plan": ppath, "budget": int(budget), "strategy": strategy,
+                "time_limit": time_limit, "verbose": int(verbose), "options": options}
+        apath = os.path.join(tmp, "args.json")
+        with open(apath, "w") as f:
+            json.dump(args, f)
+        env = dict(os.environ)
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH")
+                                    else "")
+        proc = subprocess.run(
+            [sys.executable, "-c", "from tf_remat.api import _solve_main; _solve_main()", apath],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE if not verbose else None,
+            text=True)
+        if proc.returncode != 0 or not os.path.exists(ppath):
+            tail = (proc.stderr or "")[-2000:] if not verbose else "(see the output above)"
+            raise RematError(f"the solver process for strategy {strategy!r} failed with exit "
+                             f"code {proc.returncode}: {tail}")
+        plan = Plan.load(ppath)
+    # the graph written and read back is the same graph: check the plan against this one
+    from tf_remat.plan import simulate
+
+    sim = simulate(graph, plan.steps) if plan.steps else None
+    if sim is not None and sim.peak_memory != plan.peak_memory:  # pragma: no cover
+        raise RematError("internal error: the plan from the solver process does not match "
+                         "the graph")
+    return plan
+
+
+def _solve_main():  # pragma: no cover (runs in the child process)
+    import json
+
+    from tf_remat.graph import Graph
+    from tf_remat.solvers import solve
+
+    with open(sys.argv[1]) as f:
+        a = json.load(f)
+    graph = Graph.load(a["graph"])
+    plan = solve(graph, a["budget"], a["strategy"], time_limit=a["time_limit"],
+                 verbose=a["verbose"], **a["options"])
+    plan.save(a["plan"])
+
+
+# --------------------------------------------------------------------- helpers
+def _budget_bytes(budget_gb, budget_bytes) -> int:
+    if (budget_gb is None) == (budget_bytes is None):
+        raise ValueError("give exactly one of budget_gb (GiB, 2**30 bytes) or budget_bytes")
+    value = budget_bytes if budget_bytes is not None else budget_gb * 2**30
+    try:
+        value = float(value)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"the budget must be a number, got {value!r}") from exc
+    if not value > 0:
+        raise ValueError(f"the budget must be positive, got {value!r}")
+    return int(value)
+
+
+def _raise_infeasible(graph, plan, budget, opts):
+    lb = graph.budget_lower_bound
+    reach = plan.peak_memory if plan.steps else None
+    # a cheap search for the smallest peak any plan reaches, for the message
+    for s in ("linearized-greedy", "chen-greedy"):
+        try:
+            p = solve_isolated(graph, lb, s, time_limit=10, verbose=0)
+        except RematError:
+            continue
+        if p.steps and (reach is None or p.peak_memory < reach):
+            reach = p.peak_memory
+    reach = max(reach if reach is not None else lb, lb)
+    msg = (f"budget {format_bytes(budget)} ({budget} B) is below what any plan found reaches: "
+           f"the smallest peak found is {format_bytes(reach)} ({reach} B)")
+    if budget < lb:
+        msg += (f", and no plan can go below {format_bytes(lb)} (node "
+                f"{graph.label(graph.bottleneck())} with its inputs, plus "
+                f"{format_bytes(graph.fixed_memory)} of weights, optimizer slots and the batch)")
+    msg += (f"; the step without rematerialization peaks at {format_bytes(graph.no_remat_peak)}."
+            f" Raise the budget to at least {format_bytes(reach)}, lower the batch size, or "
+            f"give the solver more time (strategy {plan.strategy!r}, time_limit="
+            f"{opts.get('time_limit')})")
+    raise InfeasibleBudgetError(msg, budget=budget, min_feasible=reach, plan=plan)
+
+
+def _has_compiled_metrics(m) -> bool:
+    name = type(m).__name__
+    if name == "CompileMetrics":
+        return bool(getattr(m, "built", False) and (getattr(m, "_flat_metrics", None) or
+                    getattr(m, "metrics", None)))
+    return True
+
+
+def _first_dim(spec) -> int:
+    import tensorflow as tf
+
+    s = tf.nest.flatten(spec)[0]
+    return int(s.shape[0]) if s.shape.rank else 1
+
+
+def _batch_of(x) -> int:
+    import tensorflow as tf
+
+    t = tf.nest.flatten(x)[0]
+    shape = getattr(t, "shape", None)
+    if shape is None or len(shape) == 0:
+        return 1
+    return int(shape[0])
+
+
+def _block(out):
+    import tensorflow as tf
+
+    for t in tf.nest.flatten(out):
+        if hasattr(t, "numpy"):
+            t.numpy()
+
+
+def _synthetic_batch(input_spec, label_spec):
+    """Inputs shaped like the specs: normal floats, zero integers (valid labels and token ids
+    for any class count). Memory does not depend on the values."""
+    import tensorflow as tf
+
+    def make(spec):
+        if spec.dtype.is_floating:
+            return tf.random.stateless_normal(spec.shape, seed=(1, 2), dtype=spec.dtype)
+        return tf.zeros(spec.shape, spec.dtype)
+
+    return tf.nest.map_structure(make, input_spec), tf.nest.map_structure(make, label_spec)

@@ -1,0 +1,314 @@
+"""Plan -> a static TensorFlow training step that runs the plan, recomputation included.
+
+The traced step's op graph (``TracedStep.graph_def``) is copied into a new GraphDef:
+
+* **fixed ops** (variable reads, constants, shape arithmetic, scalar optimizer math; see
+  :class:`~tf_remat.extract.OpMap`) are copied once, unchanged and unordered: they depend on no
+  batch value, and TensorFlow runs them at the start of the step;
+* for each ``compute v`` of the plan, the ops of node ``v`` are emitted; the first computation
+  keeps the original op names, the k-th recomputation gets fresh copies named
+  ``<op>/_remat<k>``. Every input is rewired to the *current* copy of its producer (the newest
+  copy computed before this point), which is the simulator's rule (:mod:`tf_remat.plan`);
+* every emitted op gets a control input on the op emitted before it (the *chain*), so the
+  executor runs the ops exactly in plan order. Without the chain TensorFlow runs a copy as soon
+  as its inputs exist (and Grappler's common-subexpression pass merges the copies back), so
+  nothing is saved;
+* shape ops that read a batch tensor (``OpMap.static_shapes``) become constants, Keras's
+  gradient ``IdentityN`` barrier is bypassed (``OpMap.bypass_ops``), dead ops and the original
+  side-effect sink are left out (a chained dead op would be kept alive), and the outputs get a
+  control input on the last op of the chain, so every side effect has run when they are returned.
+
+The GraphDef is imported with :func:`tf.compat.v1.wrap_function` (no automatic control
+dependencies are added to it) with the step's inputs mapped to new arguments and every captured
+tensor (variable handles included) mapped to the live object it captured, so the new step reads
+and updates the model's own variables.
+
+Correctness (see ``tests/test_rewrite.py``):
+
+* every copy reads weights through the fixed ``ReadVariableOp`` of the original step, which the
+  original automatic control dependencies order before the variable's update; a read value that
+  is still referenced when its variable is updated is kept (resource variables copy on write),
+  so no copy reads an updated weight;
+* ops in non-recomputable nodes (optimizer and BatchNorm statistics updates, RNG state) are
+  emitted once: :func:`tf_remat.plan.simulate` refuses a plan that computes them twice;
+* stateless random ops (Keras dropout) read their seed from a fixed read of the seed variable,
+  so a recomputed dropout mask equals the first one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+from tf_remat.errors import PlanError, RematError
+from tf_remat.plan import Plan, simulate
+
+__all__ = ["RewrittenStep", "rewrite", "build_graph_def", "copy_name"]
+
+#: suffix of the k-th recomputed copy of an op
+_COPY = "/_remat"
+
+
+def copy_name(op_name: str, k: int) -> str:
+    """Name of the k-th copy of an op (k = 0: the original name)."""
+    return op_name if k == 0 else f"{op_name}{_COPY}{k}"
+
+
+@dataclasses.dataclass
+class RewrittenStep:
+    """A training step that runs a plan.
+
+    Call it like the traced step: ``step(x, y)`` returns what ``traced.function`` returns (the
+    loss, or ``(loss, *grads)`` for a gradients-only trace) and applies the same updates.
+
+    Attributes:
+        function: the ``tf`` concrete function, called with the flattened inputs and labels.
+        traced, plan, graph, op_map: what it was built from.
+        info: facts for reports: ops emitted, copies, chain edges, build seconds.
+    """
+
+    function: Any
+    traced: Any
+    plan: Plan
+    graph: Any
+    op_map: Any
+    info: dict = dataclasses.field(default_factory=dict)
+
+    def __call__(self, x, y):
+        import tensorflow as tf
+
+        args = tf.nest.flatten(x) + tf.nest.flatten(y)
+        out = self.function(*args)
+        if isinstance(out, (list, tuple)) and len(out) == 1:
+            return out[0]
+        return out
+
+
+def rewrite(traced, graph, op_map, plan: Plan, *, chain: str = "op") -> RewrittenStep:
+    """Build the training step that runs ``plan``.
+
+    Args:
+        traced: the :class:`~tf_remat.extract.TracedStep` the graph was extracted from.
+        graph: the solver :class:`~tf_remat.graph.Graph`.
+        op_map: its :class:`~tf_remat.extract.OpMap`.
+        plan: a plan for ``graph`` (checked by the simulator here).
+        chain: ``"op"`` (every node op follows the previous one), ``"node"`` (a node's first ops
+            follow the previous node's last ops; ops inside a node may run in parallel) or
+            ``"none"`` (no ordering; for experiments only: TensorFlow then ignores the plan).
+
+    Returns:
+        A :class:`RewrittenStep`.
+
+    Raises:
+        PlanError: the plan does not fit the graph (the simulator's message).
+        RematError: the op map and the traced step disagree.
+    """
+    import tensorflow as tf
+
+    t0 = time.perf_counter()
+    simulate(graph, plan.steps)  # raises PlanError on an invalid plan
+    if op_map.n != graph.n:
+        raise RematError(f"the op map has {op_map.n} nodes but the graph has {graph.n}; "
+                         "they come from different extractions")
+    gd, outputs, last, info = build_graph_def(traced, op_map, plan.sequence, chain=chain)
+    t1 = time.perf_counter()
+    fn = _import(traced, gd, outputs, last)
+    info["build_seconds"] = t1 - t0
+    info["import_seconds"] = time.perf_counter() - t1
+    return RewrittenStep(function=fn, traced=traced, plan=plan, graph=graph, op_map=op_map,
+                         info=info)
+
+
+def build_graph_def(traced, op_map, sequence, *, chain: str = "op"):
+    """The GraphDef of the rewritten step (see the module docstring).
+
+    Returns:
+        ``(graph_def, output tensor names, name of the last chained op or None, info)``.
+    """
+    import numpy as np
+    import tensorflow as tf
+    from tensorflow.core.framework import graph_pb2
+
+    if chain not in ("op", "node", "none"):
+        raise ValueError(f"chain must be 'op', 'node' or 'none', got {chain!r}")
+    src = traced.graph_def
+    by_name = {nd.name: nd for nd in src.node}
+    node_of = op_map.node_of()
+    drop = set(op_map.sink_ops) | set(op_map.dead_ops)
+    bypass = op_map.bypass_ops
+    static = op_map.static_shapes
+    n = op_map.n
+    current = [-1] * n        # newest copy of each node
+    count = [0] * n           # copies made so far
+
+    out = graph_pb2.GraphDef()
+    out.versions.CopyFrom(src.versions)
+    out.library.CopyFrom(src.library)
+
+    # --- constants for shape ops that read batch tensors
+    static_const = {}
+    for name, values in static.items():
+        nd = by_name[name]
+        dtype = _out_dtype(nd)
+        for k, value in enumerate(values):
+            if value is None:
+                raise RematError(f"shape op {name!r} output {k} has no static value")
+            cname = f"{name}/_static{k}"
+            c = out.node.add()
+            c.name = cname
+            c.op = "Const"
+            c.attr["dtype"].type = dtype.as_datatype_enum
+            c.attr["value"].tensor.CopyFrom(
+                tf.make_tensor_proto(np.asarray(value, dtype=dtype.as_numpy_dtype)))
+            static_const[(name, k)] = cname
+
+    def parse(ref):
+        if ref.startswith("^"):
+            return ref[1:], -1
+        if ":" in ref:
+            name, k = ref.rsplit(":", 1)
+            return name, int(k)
+        return ref, 0
+
+    def resolve(ref, own_node, own_copy):
+        """The rewritten form of an input reference, or None to drop it."""
+        name, k = parse(ref)
+        if name in bypass:
+            if k < 0:
+                return None
+            return resolve(bypass[name][k], own_node, own_copy)
+        if name in static:
+            if k < 0:
+                return None
+            return static_const[(name, k)]
+        if name in drop:
+            if name in op_map.sink_ops or k < 0:
+                return None
+            raise RematError(f"op {name!r} is marked dead in the op map but is read")
+        v = node_of.get(name)
+        if v is None:  # a fixed op
+            return ref
+        c = own_copy if v == own_node else current[v]
+        if c < 0:
+            raise PlanError(f"the plan reads node {v} ({name}) before computing it")
+        new = copy_name(name, c)
+        return "^" + new if k < 0 else (new if k == 0 else f"{new}:{k}")
+
+    # --- fixed ops, copied once
+    fixed = set(op_map.fixed_ops)
+    for nd in src.node:
+        if nd.name in fixed and nd.name not in static:
+            c = out.node.add()
+            c.CopyFrom(nd)
+            ins = [r for r in (resolve(i, None, 0) for i in nd.input) if r is not None]
+            del c.input[:]
+            c.input.extend(_dedup(ins))
+
+    # --- node ops in plan order, chained
+    prev_tail = []            # chain: ops the next emitted ops must follow
+    emitted = 0
+    chain_edges = 0
+    in_node_sets = {}
+    for v in sequence:
+        ops = op_map.nodes[v]
+        k = count[v]
+        count[v] += 1
+        if v not in in_node_sets:
+            members = set(ops)
+            # ops of this node fed by another op of the node (data or control)
+            fed = set()
+            consumed = set()
+            for o in ops:
+                for r in by_name[o].input:
+                    p, _ = parse(r)
+                    if p in members:
+                        fed.add(o)
+                        consumed.add(p)
+            in_node_sets[v] = ([o for o in ops if o not in fed],
+                               [o for o in ops if o not in consumed])
+        heads, tails = in_node_sets[v]
+        for o in ops:
+            nd = by_name[o]
+            c = out.node.add()
+            c.CopyFrom(nd)
+            c.name = copy_name(o, k)
+            ins = [r for r in (resolve(i, v, k) for i in nd.input) if r is not None]
+            if chain == "op" and prev_tail:
+                ins += ["^" + t for t in prev_tail]
+                chain_edges += len(prev_tail)
+            elif chain == "node" and o in heads and prev_tail:
+                ins += ["^" + t for t in prev_tail]
+                chain_edges += len(prev_tail)
+            del c.input[:]
+            c.input.extend(_dedup(ins))
+            if "_class" in c.attr:
+                del c.attr["_class"]
+            emitted += 1
+            if chain == "op":
+                prev_tail = [c.name]
+        if chain == "node":
+            prev_tail = [copy_name(o, k) for o in tails]
+        current[v] = k
+    if chain == "none":
+        # no ordering: the outputs wait for every op nothing else reads (side effects included)
+        read = set()
+        for nd in out.node:
+            for r in nd.input:
+                read.add(parse(r)[0])
+        prev_tail = [nd.name for nd in out.node if nd.name not in read and
+                     (nd.name in node_of or _COPY in nd.name)]
+    # --- outputs: the newest copies
+    outputs = []
+    for t in op_map.outputs:
+        r = resolve(t, None, 0)
+        outputs.append(r if ":" in r else r + ":0")
+    last = prev_tail[-1] if prev_tail else None
+    info = {"node_ops": sum(len(o) for o in op_map.nodes), "ops_emitted": emitted,
+            "recomputed_ops": emitted - sum(len(o) for o in op_map.nodes),
+            "fixed_ops": len(fixed), "chain": chain, "chain_edges": chain_edges,
+            "tails": list(prev_tail)}
+    return out, outputs, prev_tail, info
+
+
+def _import(traced, gd, outputs, tails):
+    """Import ``gd`` as a function of the flattened (x, y), captures mapped to live objects."""
+    import tensorflow as tf
+
+    fgraph = traced.function.graph
+    arg_specs = tf.nest.flatten(traced.input_spec) + tf.nest.flatten(traced.label_spec)
+    arg_names = list(traced.input_ops) + list(traced.label_ops)
+    captures = [(ext, internal.name) for ext, internal in fgraph.captures]
+
+    def body(*args):
+        g = tf.compat.v1.get_default_graph()
+        input_map = {f"{name}:0": a for name, a in zip(arg_names, args)}
+        for ext, internal in captures:
+            input_map[internal] = g.capture(ext)
+        n_out = len(outputs)
+        res = tf.graph_util.import_graph_def(
+            gd, input_map=input_map, return_elements=list(outputs) + list(tails),
+            name="remat")
+        outs, tail_ops = res[:n_out], res[n_out:]
+        with tf.control_dependencies(tail_ops):
+            return [tf.identity(t) for t in outs]
+
+    return tf.compat.v1.wrap_function(body, signature=arg_specs)
+
+
+def _out_dtype(nd):
+    import tensorflow as tf
+
+    if nd.op == "Rank":
+        return tf.int32
+    for key in ("out_type", "T"):
+        if key in nd.attr:
+            return tf.dtypes.as_dtype(nd.attr[key].type)
+    return tf.int32
+
+
+def _dedup(refs):
+    """Data inputs as given (an op may read one tensor twice), then distinct control inputs."""
+    data = [r for r in refs if not r.startswith("^")]
+    ctrl = list(dict.fromkeys(r for r in refs if r.startswith("^")))
+    return data + ctrl

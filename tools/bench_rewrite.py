@@ -1,0 +1,328 @@
+#!/usr/bin/env python
+"""Benchmark the rewritten step on the model zoo -> benchmarks/results/rewrite.md.
+
+Per model, in a fresh process (so the allocator holds nothing else): the plain training step is
+traced and measured (TensorFlow's peak: ``reset_memory_stats`` + ``get_memory_info``, the
+step's own bytes: peak - allocated before + the variables and the batch; median step time).
+Then, for budgets of 90%, 70% and 50% of that measured peak, ``tf_remat.optimize`` (profiled
+costs, verification on) builds the rewritten step, and the table gives:
+
+* the simulated peak of the plan vs the measured peak of the rewritten step vs the budget;
+* the predicted overhead (plan cost / sum of node costs - 1) vs the measured one (median step
+  time of the rewritten step / median of the plain step - 1, runs interleaved);
+* the gradient error: ``step.gradients`` against the plain step's gradients on the same batch
+  and state, max |difference| over all gradients relative to the largest gradient value; and
+  the loss difference.
+
+Usage:
+    python tools/bench_rewrite.py                          # every model, default batches
+    python tools/bench_rewrite.py --models bn_cnn resnet50 --strategy moccasin --time-limit 60
+    python tools/bench_rewrite.py --json results.jsonl     # raw rows as well
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+#: (model, batch, input size): the CPU-sized cases of tools/bench_extract.py
+DEFAULT_CASES = [
+    ("bn_cnn", 64, None),
+    ("transformer", 8, None),
+    ("mobilenet", 8, None),
+    ("resnet50", 8, None),
+    ("vgg16", 4, None),
+    ("vgg19", 4, None),
+    ("unet", 2, None),
+    ("fcn8", 2, None),
+    ("segnet", 2, None),
+]
+FRACTIONS = (0.9, 0.7, 0.5)
+MIB = 2**20
+
+
+def run_case(name, batch, size, fractions, strategy, time_limit, runs):
+    """One model (in this process): baseline, then one row per budget fraction."""
+    import numpy as np
+    import tensorflow as tf
+
+    import tf_remat
+    from tf_remat.api import measure_step_peak
+    from tf_remat.errors import InfeasibleBudgetError, RematError
+    from tf_remat.extract import trace_training_step
+    from tf_remat.zoo import get_model
+
+    model, xs, ys = get_model(name, batch, size)
+    ref = trace_training_step(model, xs, ys)
+    gref = trace_training_step(model, xs, ys, apply_updates=False)
+    x, y = _batch(xs, ys, model)
+    base_runs = [measure_step_peak(ref.function, x, y, variables=ref.variables)
+                 for _ in range(3)]
+    base = int(statistics.median(r["step_peak_bytes"] for r in base_runs))
+    t_base = [r["seconds"] for r in base_runs]
+    out = {"model": name, "batch": batch, "input": size, "baseline_peak": base,
+           "baseline_peaks": [r["step_peak_bytes"] for r in base_runs], "rows": []}
+    state = _Snapshot(list({id(v): v for v in list(ref.variables) +
+                            list(gref.variables)}.values()))
+    g_ref = [t.numpy() for t in gref.function(x, y)]
+    state.restore()
+    for frac in fractions:
+        budget = int(frac * base)
+        row = {"fraction": frac, "budget": budget}
+        t0 = time.perf_counter()
+        try:
+            step = tf_remat.optimize(model, budget_bytes=budget, input_spec=xs, label_spec=ys,
+                                     strategy=strategy, time_limit=time_limit, verbose=0,
+                                     attach=False)
+        except InfeasibleBudgetError as exc:
+            row.update(status="infeasible", min_feasible=exc.min_feasible,
+                       message=str(exc)[:300], seconds=time.perf_counter() - t0)
+            out["rows"].append(row)
+            _emit(row, name)
+            continue
+        except RematError as exc:
+            row.update(status="error", message=str(exc)[:500])
+            out["rows"].append(row)
+            _emit(row, name)
+            continue
+        row["optimize_seconds"] = time.perf_counter() - t0
+        rep = step.report
+        row.update({k: rep[k] for k in ("strategy", "status", "predicted_peak_bytes",
+                                        "baseline_peak_bytes", "predicted_overhead",
+                                        "solve_seconds", "measured_peak_bytes", "attempts",
+                                        "recomputed_nodes", "nodes")})
+        state.restore()
+        peaks = [measure_step_peak(step, x, y, variables=ref.variables)["step_peak_bytes"]
+                 for _ in range(3)]
+        row["peaks"] = peaks
+        row["measured_peak"] = int(statistics.median(peaks))
+        row["measured_peak_max"] = max(peaks)
+        tb, tr = _interleaved_times(ref.function, step, x, y, state, runs)
+        row["t_plain"], row["t_remat"] = tb, tr
+        row["measured_overhead"] = tr / tb - 1
+        try:
+            g_new = [t.numpy() for t in step.gradients(x, y)]
+            state.restore()
+        except RematError as exc:
+            row["gradients"] = f"error: {exc}"[:300]
+            g_new = None
+        if g_new is not None:
+            scale = max(float(np.abs(g).max()) for g in g_ref[1:])
+            err = max(float(np.abs(np.asarray(a) - np.asarray(b)).max())
+                      for a, b in zip(g_ref[1:], g_new))
+            row["grad_err"] = err / scale if scale else err
+            state.restore()
+            loss_plain = float(ref.function(x, y))
+            state.restore()
+            loss_new = float(step(x, y))
+            state.restore()
+            row["loss_err"] = abs(loss_new - loss_plain) / max(abs(loss_plain), 1e-30)
+        out["rows"].append(row)
+        _emit(row, name)
+        del step
+    out["t_base"] = float(np.median(t_base))
+    return out
+
+
+class _Snapshot:
+    def __init__(self, variables):
+        self.variables = variables
+        self.values = [v.numpy() for v in variables]
+
+    def restore(self):
+        for v, s in zip(self.variables, self.values):
+            v.assign(s)
+
+
+def _batch(xs, ys, model):
+    import numpy as np
+    import tensorflow as tf
+
+    rng = np.random.default_rng(0)
+
+    def make(spec, labels):
+        shape = tuple(spec.shape)
+        if spec.dtype.is_integer:
+            hi = 2
+            if labels:
+                try:
+                    hi = int(model.outputs[0].shape[-1])
+                except Exception:  # noqa: BLE001
+                    hi = 2
+            else:
+                hi = 100
+            return tf.constant(rng.integers(0, hi, shape), spec.dtype)
+        return tf.constant(rng.standard_normal(shape).astype(spec.dtype.as_numpy_dtype))
+
+    return (tf.nest.map_structure(lambda s: make(s, False), xs),
+            tf.nest.map_structure(lambda s: make(s, True), ys))
+
+
+def _interleaved_times(plain, step, x, y, state, runs):
+    import tensorflow as tf
+
+    def once(fn):
+        t = time.perf_counter()
+        out = fn(x, y)
+        for o in tf.nest.flatten(out):
+            o.numpy()
+        dt = time.perf_counter() - t
+        state.restore()
+        return dt
+
+    once(plain)
+    once(step)
+    a, b = [], []
+    for _ in range(runs):
+        a.append(once(plain))
+        b.append(once(step))
+    return statistics.median(a), statistics.median(b)
+
+
+def _emit(row, name):
+    short = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
+             if k not in ("message", "peaks")}
+    print(f"[{name}] {json.dumps(short)}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------- report
+def table(results) -> str:
+    lines = ["| model | batch | plain peak MiB | budget | budget MiB | status | simulated MiB | "
+             "measured MiB | meas/budget | meas vs sim | overhead pred | overhead meas | "
+             "diff (pts) | grad err | attempts |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for res in results:
+        if "error" in res:
+            lines.append(f"| {res['model']} | {res['batch']} | error: {res['error'][:120]} |"
+                         + " |" * 12)
+            continue
+        for r in res["rows"]:
+            head = (f"| {res['model']} | {res['batch']} | {res['baseline_peak'] / MIB:.0f} | "
+                    f"{100 * r['fraction']:.0f}% | {r['budget'] / MIB:.0f} |")
+            if r.get("status") in ("infeasible", "error"):
+                extra = (f"smallest reachable {r['min_feasible'] / MIB:.0f} MiB"
+                         if r.get("min_feasible") else r.get("message", "")[:80])
+                lines.append(f"{head} {r['status']} ({extra}) |" + " |" * 9)
+                continue
+            sim, meas = r["predicted_peak_bytes"], r["measured_peak"]
+            within = r["measured_peak_max"] <= 1.05 * r["budget"]
+            close = abs(meas - sim) <= 0.10 * sim
+            dpts = 100 * (r["measured_overhead"] - r["predicted_overhead"])
+            grad = r.get("grad_err")
+            lines.append(
+                f"{head} {r['status']} | {sim / MIB:.0f} | {meas / MIB:.0f} | "
+                f"{meas / r['budget']:.2f}{'' if within else ' **over**'} | "
+                f"{100 * (meas / sim - 1):+.1f}%{'' if close else ' **miss**'} | "
+                f"{100 * r['predicted_overhead']:.1f}% | {100 * r['measured_overhead']:.1f}% | "
+                f"{dpts:+.1f}{'' if abs(dpts) <= 10 else ' **miss**'} | "
+                f"{'n/a' if grad is None else f'{grad:.1e}'} | {r['attempts']} |")
+    return "\n".join(lines)
+
+
+NOTES = """\
+## How to read this
+
+* **plain peak**: TensorFlow's measured peak of the plain training step (median of 3 runs):
+  allocator peak during the step minus what was allocated before it, plus the variables and the
+  batch (the step's own memory; the budget counts the same). Budgets are 90/70/50% of it.
+* **simulated**: the plan's peak in the simulator (`plan.peak_memory`); **measured**: the
+  rewritten step's peak, measured the same way (median of 3 runs). `optimize` verifies the step
+  once and re-solves with a lower budget while the measured peak is over the budget
+  (**attempts** counts the solves).
+* **overhead pred**: plan cost / sum of node costs - 1 with profiled costs; **meas**: median step
+  time of the rewritten step over the plain step's - 1 (runs interleaved).
+* **grad err**: max |g_rewritten - g_plain| over every gradient, divided by the largest gradient
+  value (float32 reassociation: ~1e-7 .. 1e-5 expected).
+* Targets: measured peak within the budget (5% slack) and within 10% of simulated; measured
+  overhead within 10 points of predicted. An infeasible row gives the smallest budget `optimize`
+  found reachable (weights, optimizer slots and the batch alone often exceed 50%).
+"""
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", nargs="+", default=None, help="zoo names (default: all)")
+    p.add_argument("--batch", type=int, default=None, help="override the batch size")
+    p.add_argument("--input", default=None, help="override the input size")
+    p.add_argument("--fractions", default=",".join(map(str, FRACTIONS)))
+    p.add_argument("--strategy", default=None,
+                   help="default: auto when registered, else moccasin")
+    p.add_argument("--time-limit", type=float, default=60.0)
+    p.add_argument("--runs", type=int, default=7, help="timed runs per step")
+    p.add_argument("-o", "--output", default=os.path.join(ROOT, "benchmarks", "results",
+                                                          "rewrite.md"))
+    p.add_argument("--json", default=None, help="also write raw results (JSON lines)")
+    p.add_argument("--case", default=None, help=argparse.SUPPRESS)  # child process
+    args = p.parse_args(argv)
+    fractions = [float(f) for f in args.fractions.split(",")]
+    strategy = args.strategy or _default_strategy()
+    if args.case:
+        name, batch, size = json.loads(args.case)
+        res = run_case(name, batch, size, fractions, strategy, args.time_limit, args.runs)
+        print("RESULT " + json.dumps(res), flush=True)
+        return 0
+    cases = [c for c in DEFAULT_CASES if args.models is None or c[0] in args.models]
+    if args.models:
+        known = {c[0] for c in DEFAULT_CASES}
+        cases += [(m, 4, None) for m in args.models if m not in known]
+    results = []
+    for name, batch, size in cases:
+        batch = args.batch or batch
+        size = args.input or size
+        t0 = time.perf_counter()
+        cmd = [sys.executable, os.path.abspath(__file__), "--case",
+               json.dumps([name, batch, size]), "--fractions", args.fractions,
+               "--strategy", strategy, "--time-limit", str(args.time_limit),
+               "--runs", str(args.runs)]
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+        res = None
+        for line in proc.stdout.splitlines():
+            if line.startswith("RESULT "):
+                res = json.loads(line[7:])
+        if res is None:
+            res = {"model": name, "batch": batch, "error": f"exit code {proc.returncode}"}
+        res["seconds"] = time.perf_counter() - t0
+        results.append(res)
+        print(f"{name}: done in {res['seconds']:.0f} s", file=sys.stderr, flush=True)
+        if args.json:
+            with open(args.json, "a") as f:
+                f.write(json.dumps(res) + "\n")
+    import tensorflow as tf
+
+    machine = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; "
+               f"Python {platform.python_version()}, TensorFlow {tf.__version__}")
+    doc = ["# Rewrite benchmark", "",
+           f"Machine: {machine}. Strategy `{strategy}`, time limit {args.time_limit:g} s, "
+           f"profiled costs. Generated by `tools/bench_rewrite.py`.", "",
+           table(results), "", NOTES]
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+    with open(args.output, "w") as f:
+        f.write("\n".join(doc))
+    print(f"wrote {args.output}", file=sys.stderr)
+    return 0
+
+
+def _default_strategy():
+    from tf_remat.solvers import _TABLE, get_strategy
+    from tf_remat.errors import StrategyError
+
+    if "auto" in _TABLE:
+        try:
+            get_strategy("auto")
+            return "auto"
+        except StrategyError:
+            pass
+    return "moccasin"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
