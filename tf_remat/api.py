@@ -29,9 +29,12 @@ from tf_remat.errors import InfeasibleBudgetError, RematError, UnsupportedOpErro
 __all__ = ["optimize", "OptimizedStep", "detach", "measure_step_peak", "solve_isolated"]
 
 #: attempts at meeting the budget as measured (each solves again with a lower budget)
-_MAX_ATTEMPTS = 3
+_MAX_ATTEMPTS = 6
 #: a measured peak this close over the budget counts as within it (allocator rounding)
-_MEASURE_SLACK = 0.005
+_MEASURE_SLACK = 0.01
+#: measured runs of the rewritten step when verifying (the largest peak counts): the executor's
+#: order of independent ops changes from run to run, and the peak with it
+_MEASURE_RUNS = 3
 
 
 def optimize(model, budget_gb: float | None = None, *, budget_bytes: int | None = None,
@@ -77,6 +80,7 @@ def optimize(model, budget_gb: float | None = None, *, budget_bytes: int | None 
         >>> model.fit(dataset.batch(32), epochs=3)   # trains with the step    # doctest: +SKIP
     """
     budget = _budget_bytes(budget_gb, budget_bytes)
+    strategy = _resolve_strategy(strategy, verbose)
     opts = dict(loss=loss, optimizer=optimizer, strategy=strategy, time_limit=time_limit,
                 verbose=verbose, cost_model=cost_model, verify=verify, chain=chain)
     step = OptimizedStep(model, budget, input_spec, label_spec, opts)
@@ -139,7 +143,19 @@ class OptimizedStep:
     # ------------------------------------------------------------ public
     def __call__(self, x, y):
         """One training step on ``(x, y)`` (optimizer update included); returns the loss."""
-        return self._built_for(x, apply_updates=True).step(*self._cast(x, y))
+        return self._run(x, y)[0]
+
+    def _run(self, x, y):
+        """One training step; ``(loss, y_pred or None)`` (y_pred when the model has compiled
+        metrics: the step then returns the model's outputs too)."""
+        b = self._built_for(x, apply_updates=True)
+        out = b.step(*self._cast(x, y))
+        traced = b.extraction.traced
+        if not traced.n_predictions:
+            return out, None
+        import tensorflow as tf
+
+        return out[0], tf.nest.pack_sequence_as(traced.predictions, list(out[1:]))
 
     def gradients(self, x, y) -> list:
         """Gradients of the loss on ``(x, y)``, aligned with ``model.trainable_variables``.
@@ -214,8 +230,9 @@ class OptimizedStep:
         Keras's ``make_train_function`` is replaced on this model instance; the train function
         takes each batch from the iterator, runs the rewritten step (a batch of another size,
         such as the last partial one, gets its own plan within the same budget, built on first
-        use) and updates the model's loss tracker. Compiled metrics other than the loss are not
-        updated. Sample weights and class weights are not supported.
+        use) and updates the model's loss tracker and compiled metrics (the step returns the
+        model's outputs when the model was compiled with metrics). Sample weights and class
+        weights are not supported.
         """
         model = self.model
         old = getattr(model, "_tf_remat_step", None)
@@ -238,11 +255,11 @@ class OptimizedStep:
         object.__setattr__(model, "_tf_remat_step", self)
         model.train_function = None
         self._attached = True
-        metrics = [m for m in getattr(model, "metrics", []) if m is not
-                   getattr(model, "_loss_tracker", None)]
-        if any(getattr(m, "metrics", [m]) for m in metrics if _has_compiled_metrics(m)):
-            self._warn_once("metrics", "tf-remat: compiled metrics other than the loss are not "
-                                       "updated by the rewritten step; history holds the loss")
+        if _has_compiled_metrics(model) and not \
+                self._primary().extraction.traced.n_predictions:
+            self._warn_once("metrics", "tf-remat: the model was compiled with metrics after "
+                                       "optimize(); they are not updated by the rewritten step "
+                                       "(call optimize again); history holds the loss")
 
     def detach(self) -> None:
         """Undo :meth:`attach`: ``model.fit`` uses Keras's own training step again."""
@@ -277,11 +294,15 @@ class OptimizedStep:
                     "tf-remat's rewritten step does not take sample weights (sample_weight= or "
                     "class_weight= in fit); call tf_remat.detach(model) to train with Keras's "
                     "own step")
-            loss = self(x, y)
+            loss, y_pred = self._run(x, y)
             tracker = getattr(model, "_loss_tracker", None)
             if tracker is not None:
                 n = tf.shape(tf.nest.flatten(x)[0])[0]
                 tracker.update_state(loss, sample_weight=n)
+            if y_pred is not None:
+                metrics = model.compute_metrics(x, y, y_pred)
+        if y_pred is not None:
+            return metrics
         tracker = getattr(model, "_loss_tracker", None)
         if tracker is not None:
             return {"loss": tracker.result()}
@@ -317,58 +338,73 @@ class OptimizedStep:
         lspec = _with_batch(self.label_spec, batch)
         ex = extract(self.model, input_spec=ispec, label_spec=lspec, loss=o["loss"],
                      optimizer=o["optimizer"], cost_model=o["cost_model"], verbose=verbose,
-                     apply_updates=apply_updates)
+                     apply_updates=apply_updates,
+                     return_predictions=apply_updates and _has_compiled_metrics(self.model))
         t1 = time.perf_counter()
         graph = ex.graph
         budget = self.budget_bytes
         solve_budget = budget
         attempts = []
-        best = None
+        best = None        # the lowest measured step within the budget, or the lowest overall
+        accepted = None
         rewrite_s = 0.0
+        too_high = None    # the lowest solve budget whose plan measured over the budget
+        no_plan = None     # the highest solve budget the solver found no plan for
+        plan = None
         for attempt in range(_MAX_ATTEMPTS if o["verify"] else 1):
             plan = solve_isolated(graph, solve_budget, o["strategy"],
                                   time_limit=o["time_limit"], verbose=verbose)
             if not plan.within_budget:
                 if attempt == 0:
                     _raise_infeasible(graph, plan, budget, o)
-                break  # a lower budget than the first cannot be met: keep the best so far
+                attempts.append({"solve_budget": solve_budget, "predicted": None,
+                                 "measured": None})
+                no_plan = solve_budget
+                # no plan this low: try halfway back up
+                nxt = (solve_budget + (too_high or budget)) // 2
+                if (too_high or budget) - nxt < 0.002 * budget:
+                    break
+                solve_budget = nxt
+                continue
             tr = time.perf_counter()
             step = rewrite(ex.traced, graph, ex.op_map, plan, chain=o["chain"])
             rewrite_s += time.perf_counter() - tr
             measured = None
             if o["verify"]:
                 x, y = _synthetic_batch(ispec, lspec)
-                measured = measure_step_peak(step, x, y, variables=ex.traced.variables)
+                measured = measure_step_peak(step, x, y, variables=ex.traced.variables,
+                                             runs=_MEASURE_RUNS)
                 del x, y
             attempts.append({"solve_budget": solve_budget, "predicted": plan.peak_memory,
                              "measured": None if measured is None
                              else measured["step_peak_bytes"]})
             cand = _Built(ex, plan, step, solve_budget, measured, attempts, {})
             if measured is None:
-                best = cand
+                accepted = cand
                 break
             m = measured["step_peak_bytes"]
             if best is None or m < best.measured["step_peak_bytes"]:
                 best = cand
             if m <= budget * (1 + _MEASURE_SLACK):
-                best = cand
+                accepted = cand
                 break
+            too_high = solve_budget if too_high is None else min(too_high, solve_budget)
             excess = m - plan.peak_memory
-            new_budget = budget - excess - int(0.005 * budget)
+            nxt = min(budget - excess - int(0.005 * budget),
+                      solve_budget - int(0.01 * budget))
+            if no_plan is not None and nxt <= no_plan:
+                nxt = (no_plan + too_high) // 2
+            nxt = max(nxt, graph.budget_lower_bound)
+            if nxt >= too_high or too_high - nxt < 0.002 * budget:
+                break
             if verbose:
                 print(f"tf-remat: measured peak {format_bytes(m)} is over the budget "
                       f"{format_bytes(budget)} (predicted {format_bytes(plan.peak_memory)}); "
-                      f"solving again for {format_bytes(new_budget)}", file=sys.stderr,
-                      flush=True)
-            if new_budget >= solve_budget:
-                new_budget = solve_budget - max(excess, int(0.01 * budget))
-            if new_budget < graph.budget_lower_bound:
-                break
-            solve_budget = new_budget
-        if best is None:  # pragma: no cover (the first attempt raises)
-            _raise_infeasible(graph, plan, budget, o)
-        if best.measured is not None and \
-                best.measured["step_peak_bytes"] > budget * (1 + _MEASURE_SLACK):
+                      f"solving again for {format_bytes(nxt)}", file=sys.stderr, flush=True)
+            solve_budget = nxt
+        if accepted is None:
+            if best is None:  # pragma: no cover (the first attempt raises)
+                _raise_infeasible(graph, plan, budget, o)
             m = best.measured["step_peak_bytes"]
             raise InfeasibleBudgetError(
                 f"budget {format_bytes(budget)} could not be met as TensorFlow measures it: the "
@@ -376,6 +412,7 @@ class OptimizedStep:
                 f"{format_bytes(m)} on this device (after {len(attempts)} attempt(s)); raise "
                 f"the budget to at least {format_bytes(m)} or lower the batch size",
                 budget=budget, min_feasible=m, plan=best.plan)
+        best = accepted
         best.seconds = {"extract": t1 - t0, "rewrite": rewrite_s,
                         "total": time.perf_counter() - t0}
         best.attempts = attempts
@@ -518,6 +555,29 @@ def _solve_main():  # pragma: no cover (runs in the child process)
 
 
 # --------------------------------------------------------------------- helpers
+#: what ``strategy="auto"`` falls back to while the ``auto`` strategy is not in this build
+_AUTO_FALLBACK = "moccasin"
+
+
+def _resolve_strategy(strategy, verbose):
+    """``"auto"`` when its module is missing -> :data:`_AUTO_FALLBACK` (with a warning); other
+    names are checked here so an unknown one fails before any tracing."""
+    from tf_remat.errors import StrategyError
+    from tf_remat.solvers import get_strategy
+
+    if callable(strategy):
+        return strategy
+    try:
+        get_strategy(strategy)
+    except StrategyError as exc:
+        if strategy != "auto" or "not available" not in str(exc):
+            raise
+        warnings.warn(f"tf-remat: {exc}; using strategy {_AUTO_FALLBACK!r} instead",
+                      stacklevel=3)
+        return _AUTO_FALLBACK
+    return strategy
+
+
 def _budget_bytes(budget_gb, budget_bytes) -> int:
     if (budget_gb is None) == (budget_bytes is None):
         raise ValueError("give exactly one of budget_gb (GiB, 2**30 bytes) or budget_bytes")
@@ -556,12 +616,12 @@ def _raise_infeasible(graph, plan, budget, opts):
     raise InfeasibleBudgetError(msg, budget=budget, min_feasible=reach, plan=plan)
 
 
-def _has_compiled_metrics(m) -> bool:
-    name = type(m).__name__
-    if name == "CompileMetrics":
-        return bool(getattr(m, "built", False) and (getattr(m, "_flat_metrics", None) or
-                    getattr(m, "metrics", None)))
-    return True
+def _has_compiled_metrics(model) -> bool:
+    """Whether ``model.compile(metrics=..., weighted_metrics=...)`` gave metrics to update."""
+    cm = getattr(model, "_compile_metrics", None)
+    if cm is None:
+        return False
+    return bool(getattr(cm, "_user_metrics", None) or getattr(cm, "_user_weighted_metrics", None))
 
 
 def _first_dim(spec) -> int:

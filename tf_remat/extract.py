@@ -134,6 +134,9 @@ class TracedStep:
         input_ops, label_ops: names of the placeholders of x and y in ``function.graph``.
         phase_marks: op ids (``op._id``) where the forward pass ended (loss computed) and where
             the gradients ended; ops after the second mark belong to the optimizer.
+        predictions: with ``return_predictions``, the structure of ``y_pred`` (symbolic tensors
+            of ``function.graph``); the step returns ``(loss, *tf.nest.flatten(y_pred))``
+            (after the gradients, if any); None otherwise.
     """
 
     function: Any
@@ -149,6 +152,16 @@ class TracedStep:
     input_ops: tuple = ()
     label_ops: tuple = ()
     phase_marks: tuple = (0, 0)
+    predictions: Any = None
+
+    @property
+    def n_predictions(self) -> int:
+        """How many of the step's last outputs are the flattened ``y_pred``."""
+        if self.predictions is None:
+            return 0
+        import tensorflow as tf
+
+        return len(tf.nest.flatten(self.predictions))
 
 
 @dataclasses.dataclass
@@ -265,7 +278,8 @@ def op_map_path(graph_path: str | os.PathLike) -> str:
 
 # --------------------------------------------------------------------- public API
 def trace_training_step(model, input_spec, label_spec, *, loss=None, optimizer=None,
-                        apply_updates: bool = True) -> TracedStep:
+                        apply_updates: bool = True,
+                        return_predictions: bool = False) -> TracedStep:
     """Trace one training step of ``model`` as a ``tf.function`` with fixed input shapes.
 
     Args:
@@ -277,6 +291,8 @@ def trace_training_step(model, input_spec, label_spec, *, loss=None, optimizer=N
         optimizer: a Keras optimizer or its name; default: the model's compiled optimizer.
         apply_updates: trace the optimizer update too (the step returns the loss) or not (the
             step returns ``(loss, *grads)``).
+        return_predictions: also return the model's outputs ``y_pred`` (flattened, last), for
+            compiled metrics; see ``TracedStep.predictions``.
 
     Returns:
         A :class:`TracedStep`. Nothing is run, and no variable changes value.
@@ -332,12 +348,16 @@ def trace_training_step(model, input_spec, label_spec, *, loss=None, optimizer=N
         marks["forward"] = _n_ops()
         grads = tape.gradient(scaled, trainable)
         marks["backward"] = _n_ops()
+        preds = ()
+        if return_predictions:
+            marks["predictions"] = y_pred
+            preds = tuple(tf.nest.flatten(y_pred))
         if apply_updates:
             pairs = [(g, v) for g, v in zip(grads, trainable) if g is not None]
             optimizer.apply_gradients(pairs)
-            return value
+            return (value, *preds) if preds else value
         grads = [tf.zeros_like(v) if g is None else g for g, v in zip(grads, trainable)]
-        return (value, *grads)
+        return (value, *grads, *preds)
 
     fn = tf.function(step, autograph=False)
     try:
@@ -359,17 +379,19 @@ def trace_training_step(model, input_spec, label_spec, *, loss=None, optimizer=N
                       label_spec=label_spec, variables=list(concrete.variables),
                       apply_updates=apply_updates, captures=captures,
                       input_ops=tuple(placeholders[:n_x]), label_ops=tuple(placeholders[n_x:]),
-                      phase_marks=(marks.get("forward", 0), marks.get("backward", 0)))
+                      phase_marks=(marks.get("forward", 0), marks.get("backward", 0)),
+                      predictions=marks.get("predictions"))
 
 
 def extract(model, *, input_spec, label_spec, loss=None, optimizer=None,
             cost_model: str = "profile", batch_size: int | None = None, verbose: int = 1,
-            apply_updates: bool = True, name: str | None = None) -> Extraction:
+            apply_updates: bool = True, name: str | None = None,
+            return_predictions: bool = False) -> Extraction:
     """Trace a training step and turn it into a costed solver :class:`Graph` plus its op map.
 
     Args:
-        model, input_spec, label_spec, loss, optimizer, apply_updates: as in
-            :func:`trace_training_step`.
+        model, input_spec, label_spec, loss, optimizer, apply_updates, return_predictions: as
+            in :func:`trace_training_step`.
         cost_model: ``"profile"`` (each node's ops measured on the current device, GPU if
             TensorFlow sees one, cached on disk; see :mod:`tf_remat.profile`) or ``"flops"`` (an
             estimate from FLOPs and bytes moved, no measurement; coarse, for machines where
@@ -394,7 +416,8 @@ def extract(model, *, input_spec, label_spec, loss=None, optimizer=None,
         raise ValueError(f"cost_model must be 'profile' or 'flops', got {cost_model!r}")
     t0 = time.perf_counter()
     traced = trace_training_step(model, input_spec, label_spec, loss=loss, optimizer=optimizer,
-                                 apply_updates=apply_updates)
+                                 apply_updates=apply_updates,
+                                 return_predictions=return_predictions)
     t1 = time.perf_counter()
     analysis = _Analysis(traced)
     op_map, graph_fields = analysis.build()
