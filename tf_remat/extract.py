@@ -356,7 +356,9 @@ def trace_training_step(model, input_spec, label_spec, *, loss=None, optimizer=N
             pairs = [(g, v) for g, v in zip(grads, trainable) if g is not None]
             optimizer.apply_gradients(pairs)
             return (value, *preds) if preds else value
-        grads = [tf.zeros_like(v) if g is None else g for g, v in zip(grads, trainable)]
+        # dense gradients (an embedding's IndexedSlices would be three outputs)
+        grads = [tf.zeros_like(v) if g is None else tf.convert_to_tensor(g)
+                 for g, v in zip(grads, trainable)]
         return (value, *grads, *preds)
 
     fn = tf.function(step, autograph=False)
