@@ -93,14 +93,16 @@ class Snapshot:
 
     def __init__(self, variables):
         self.variables = list(variables)
-        self.values = [v.numpy() for v in self.variables]
+        # copies: a NumPy view of a variable's buffer would make TensorFlow copy the variable
+        # on its next update (copy on write), which shows up in measured peaks
+        self.values = [np.array(v.numpy(), copy=True) for v in self.variables]
 
     def restore(self):
         for v, s in zip(self.variables, self.values):
-            v.assign(s)
+            v.assign(np.array(s, copy=True))
 
     def now(self):
-        return [v.numpy() for v in self.variables]
+        return [np.array(v.numpy(), copy=True) for v in self.variables]
 
 
 def close(a, b, scale):

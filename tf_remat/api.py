@@ -457,7 +457,9 @@ def measure_step_peak(step, x, y, *, variables=(), runs: int = 1, warmup: int = 
 
     device = device or f"{current_device_kind()}:0"
     kind = device.split(":")[0]
-    saved = [v.numpy() for v in variables]
+    # copies, not views: a NumPy view of a variable's buffer makes TensorFlow copy the variable
+    # when the step updates it (copy on write), which the step itself would not do
+    saved = [np.array(v.numpy(), copy=True) for v in variables]
     owned = sum(counted_bytes(int(v.shape.num_elements() or 0) * v.dtype.size, kind)
                 for v in variables)
     owned += sum(counted_bytes(int(np.prod(t.shape)) * t.dtype.size, kind)
@@ -476,8 +478,7 @@ def measure_step_peak(step, x, y, *, variables=(), runs: int = 1, warmup: int = 
             peaks.append(int(tf.config.experimental.get_memory_info(device)["peak"]))
             befores.append(int(before))
     finally:
-        for v, s in zip(variables, saved):
-            v.assign(s)
+        _restore(variables, saved)
     k = int(np.argmax([p - b for p, b in zip(peaks, befores)]))
     return {"device": device, "peak_bytes": peaks[k], "current_before": befores[k],
             "owned_bytes": int(owned), "step_peak_bytes": int(peaks[k] - befores[k] + owned),
@@ -639,6 +640,15 @@ def _batch_of(x) -> int:
     if shape is None or len(shape) == 0:
         return 1
     return int(shape[0])
+
+
+def _restore(variables, values):
+    """Assign saved values back; each from a private copy, so no NumPy array outside shares
+    the variable's new buffer (which would make the next update copy it)."""
+    import numpy as np
+
+    for v, s in zip(variables, values):
+        v.assign(np.array(s, copy=True))
 
 
 def _block(out):

@@ -230,12 +230,16 @@ def _device_name():
 
 class _Snapshot:
     def __init__(self, variables):
+        import numpy as np
+
         self.variables = list(variables)
-        self.values = [v.numpy() for v in self.variables]
+        self.values = [np.array(v.numpy(), copy=True) for v in self.variables]
 
     def restore(self):
+        import numpy as np
+
         for v, s in zip(self.variables, self.values):
-            v.assign(s)
+            v.assign(np.array(s, copy=True))
 
 
 def _batch(xs, ys, seed):

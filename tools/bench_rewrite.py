@@ -135,12 +135,16 @@ def run_case(name, batch, size, fractions, strategy, time_limit, runs):
 
 class _Snapshot:
     def __init__(self, variables):
+        import numpy as np
+
         self.variables = variables
-        self.values = [v.numpy() for v in variables]
+        self.values = [np.array(v.numpy(), copy=True) for v in variables]
 
     def restore(self):
+        import numpy as np
+
         for v, s in zip(self.variables, self.values):
-            v.assign(s)
+            v.assign(np.array(s, copy=True))
 
 
 def _batch(xs, ys, model):
