@@ -30,8 +30,10 @@ __all__ = ["optimize", "OptimizedStep", "detach", "measure_step_peak", "solve_is
 
 #: attempts at meeting the budget as measured (each solves again with a lower budget)
 _MAX_ATTEMPTS = 6
-#: a measured peak this close over the budget counts as within it (allocator rounding)
-_MEASURE_SLACK = 0.0
+#: verification aims this fraction under the budget (the measured peak of one step moves by
+#: several percent from run to run on CPU); a plan within the budget but not the margin is
+#: taken when no plan within the margin is found
+_MEASURE_MARGIN = 0.03
 #: measured runs of the rewritten step when verifying (the largest peak counts): the executor's
 #: order of independent ops changes from run to run, and the peak with it
 _MEASURE_RUNS = 5
@@ -343,6 +345,8 @@ class OptimizedStep:
         t1 = time.perf_counter()
         graph = ex.graph
         budget = self.budget_bytes
+        # the measured peak moves by a few percent from run to run: aim under the budget
+        target = int(budget * (1 - _MEASURE_MARGIN))
         solve_budget = budget
         attempts = []
         best = None        # the lowest measured step within the budget, or the lowest overall
@@ -385,12 +389,12 @@ class OptimizedStep:
             m = measured["step_peak_bytes"]
             if best is None or m < best.measured["step_peak_bytes"]:
                 best = cand
-            if m <= budget * (1 + _MEASURE_SLACK):
+            if m <= target:
                 accepted = cand
                 break
             too_high = solve_budget if too_high is None else min(too_high, solve_budget)
             excess = m - plan.peak_memory
-            nxt = min(budget - excess - int(0.005 * budget),
+            nxt = min(target - excess - int(0.005 * budget),
                       solve_budget - int(0.01 * budget))
             if no_plan is not None and nxt <= no_plan:
                 nxt = (no_plan + too_high) // 2
@@ -398,10 +402,13 @@ class OptimizedStep:
             if nxt >= too_high or too_high - nxt < 0.002 * budget:
                 break
             if verbose:
-                print(f"tf-remat: measured peak {format_bytes(m)} is over the budget "
-                      f"{format_bytes(budget)} (predicted {format_bytes(plan.peak_memory)}); "
+                print(f"tf-remat: measured peak {format_bytes(m)} is over "
+                      f"{format_bytes(target)} (the budget less a {100 * _MEASURE_MARGIN:g}% "
+                      f"margin; predicted {format_bytes(plan.peak_memory)}); "
                       f"solving again for {format_bytes(nxt)}", file=sys.stderr, flush=True)
             solve_budget = nxt
+        if accepted is None and best is not None and best.measured["step_peak_bytes"] <= budget:
+            accepted = best  # within the budget, not within the margin: the best there is
         if accepted is None:
             if best is None:  # pragma: no cover (the first attempt raises)
                 _raise_infeasible(graph, plan, budget, o)
