@@ -13,7 +13,7 @@ import random
 
 from tf_remat.graph import Graph
 
-__all__ = ["linear_graph", "random_layered_graph", "random_dag"]
+__all__ = ["linear_graph", "random_layered_graph", "random_dag", "transformer_graph"]
 
 
 def linear_graph(n: int, *, cost: float = 1.0, memory: int = 1, fixed_memory: int = 0,
@@ -119,3 +119,157 @@ def random_dag(n: int, *, p: float = 0.2, max_back: int = 6, seed: int = 0,
                  backward=[v >= n - nb for v in range(n)],
                  recomputable=[rng.random() >= stateful_fraction for _ in range(n)],
                  name=f"random_dag_n{n}_s{seed}")
+
+
+def transformer_graph(layers: int = 4, *, batch: int = 8, seq: int = 512, hidden: int = 1024,
+                      heads: int = 16, mlp_ratio: int = 4, vocab: int = 32000,
+                      dropout: bool = True, bytes_per_value: int = 4, flops_per_s: float = 1e14,
+                      bytes_per_s: float = 1e12, name: str | None = None) -> Graph:
+    """A training graph of a stack of transformer blocks (attention + MLP): forward, loss,
+    backward, one weight-gradient node per linear layer.
+
+    Each block is ``ln1, q, k, v, scores, softmax, [dropout], attend, proj, add, ln2, fc1, gelu,
+    fc2, add`` (15 ops with dropout); activations are ``batch*seq*hidden`` values (``mlp_ratio``
+    times that in the MLP) and attention scores ``batch*heads*seq*seq``. Costs are seconds of a
+    roofline model: matmul flops at ``flops_per_s``, element-wise ops at ``bytes_per_s``. The
+    gradient ``d(v)`` of every forward op reads the gradients of v's readers and what their local
+    derivatives need (their inputs; the output too for softmax, gelu and layer norm); the
+    gradient of a linear layer's weight reads its input and the gradient of its output and is
+    an output of the graph (kept for the optimizer), with parameters and two optimizer slots in
+    ``fixed_memory``. Dropout nodes are not recomputable (a new mask would differ). About
+    36 nodes per layer: ``layers=224`` gives 8,000+ nodes.
+    """
+    if layers < 1:
+        raise ValueError(f"layers must be >= 1, got {layers}")
+    B = bytes_per_value
+    act = batch * seq * hidden * B
+    names, cost, memory, recomp, kind = [], [], [], [], []
+    inputs = []            # forward inputs per node
+
+    def add(nm, mem, c, ins, k, rc=True):
+        names.append(nm)
+        memory.append(int(mem))
+        cost.append(float(c))
+        recomp.append(rc)
+        inputs.append(list(ins))
+        kind.append(k)
+        return len(names) - 1
+
+    def ew(nbytes):  # element-wise op: read + write
+        return 2 * nbytes / bytes_per_s
+
+    def mm(m, k, n_):
+        return 2.0 * m * k * n_ / flops_per_s + (m * k + k * n_ + m * n_) * B / bytes_per_s
+
+    tokens = batch * seq
+    params = 0
+    linears = []           # (node, weight bytes)
+    x = add("embed", act, ew(act), [], "embed")
+    scores = batch * heads * seq * seq * B
+    hd = hidden // heads
+    for i in range(layers):
+        p = f"l{i}/"
+        ln1 = add(p + "ln1", act, ew(act), [x], "ln")
+        q = add(p + "q", act, mm(tokens, hidden, hidden), [ln1], "linear")
+        k = add(p + "k", act, mm(tokens, hidden, hidden), [ln1], "linear")
+        v = add(p + "v", act, mm(tokens, hidden, hidden), [ln1], "linear")
+        sc = add(p + "scores", scores, mm(batch * heads * seq, hd, seq), [q, k], "matmul")
+        sm = add(p + "softmax", scores, ew(scores), [sc], "softmax")
+        a_in = sm
+        if dropout:
+            a_in = add(p + "attn_dropout", scores, ew(scores), [sm], "dropout", rc=False)
+        at = add(p + "attend", act, mm(batch * heads * seq, seq, hd), [a_in, v], "matmul")
+        o = add(p + "proj", act, mm(tokens, hidden, hidden), [at], "linear")
+        x1 = add(p + "add1", act, ew(act), [x, o], "add")
+        ln2 = add(p + "ln2", act, ew(act), [x1], "ln")
+        f1 = add(p + "fc1", act * mlp_ratio, mm(tokens, hidden, hidden * mlp_ratio), [ln2],
+                 "linear")
+        ge = add(p + "gelu", act * mlp_ratio, ew(act * mlp_ratio), [f1], "gelu")
+        f2 = add(p + "fc2", act, mm(tokens, hidden * mlp_ratio, hidden), [ge], "linear")
+        x = add(p + "add2", act, ew(act), [x1, f2], "add")
+        for node, w in ((q, hidden * hidden), (k, hidden * hidden), (v, hidden * hidden),
+                        (o, hidden * hidden), (f1, hidden * hidden * mlp_ratio),
+                        (f2, hidden * hidden * mlp_ratio)):
+            linears.append((node, w * B))
+            params += w * B
+    lnf = add("ln_final", act, ew(act), [x], "ln")
+    logit_bytes = tokens * vocab * B
+    logits = add("logits", logit_bytes, mm(tokens, hidden, vocab), [lnf], "linear")
+    linears.append((logits, hidden * vocab * B))
+    params += hidden * vocab * B
+    loss = add("loss", B, ew(logit_bytes), [logits], "loss")
+    n_fwd = len(names)
+    readers = [[] for _ in range(n_fwd)]
+    for w in range(n_fwd):
+        for u in inputs[w]:
+            readers[u].append(w)
+    saves_output = {"softmax", "gelu", "ln", "loss"}
+    grad = {}
+    wgrad_of = dict(linears)
+    outputs = []
+    dloss = add("d/loss", B, 0.0, [loss], "grad")
+    grad[loss] = dloss
+    for u in range(n_fwd - 2, -1, -1):     # reverse order; the loss's gradient is the seed
+        ins = []
+        for w in readers[u]:
+            ins.append(grad[w])
+            ins.extend(inputs[w])
+            if kind[w] in saves_output:
+                ins.append(w)
+        ins = [a for a in dict.fromkeys(ins) if a != u] + [u] if kind[u] in saves_output \
+            else list(dict.fromkeys(ins))
+        if kind[u] == "embed":
+            g = add("d/" + names[u], act, ew(act) * len(readers[u]), ins, "grad")
+        else:
+            g = add("d/" + names[u], memory[u], sum(cost[w] for w in readers[u]), ins, "grad")
+        grad[u] = g
+        if kind[u] == "embed":
+            outputs.append(g)
+    # weight gradients right after the output gradient of their layer
+    order = list(range(n_fwd))
+    extra_after = {}
+    for node, wbytes in linears:
+        dw = add("dW/" + names[node], wbytes, cost[node], [inputs[node][0], grad[node]],
+                 "wgrad")
+        extra_after.setdefault(grad[node], []).append(dw)
+        outputs.append(dw)
+    order.append(dloss)
+    for u in range(n_fwd - 2, -1, -1):
+        order.append(grad[u])
+        order.extend(extra_after.get(grad[u], ()))
+    for g in extra_after.get(dloss, ()):
+        order.insert(order.index(dloss) + 1, g)
+    # the logits' weight gradient reads grad[logits], already placed; keep topological order
+    order = _topo_fix(order, inputs)
+    edges = [(u, v) for v in range(len(names)) for u in inputs[v]]
+    n = len(names)
+    return Graph(cost=cost, memory=memory, edges=edges, order=order, outputs=outputs,
+                 fixed_memory=3 * params + batch * seq * 4 * 2,
+                 backward=[v >= n_fwd for v in range(n)], recomputable=recomp, names=names,
+                 name=name or f"transformer_l{layers}")
+
+
+def _topo_fix(order, inputs):
+    """``order`` made topological by moving each node after its inputs (stable otherwise)."""
+    placed, out, waiting = set(), [], {}
+    pending = {}
+    for v in order:
+        missing = [u for u in inputs[v] if u not in placed]
+        if missing:
+            pending[v] = set(missing)
+            for u in missing:
+                waiting.setdefault(u, []).append(v)
+            continue
+        stack = [v]
+        while stack:
+            x = stack.pop()
+            placed.add(x)
+            out.append(x)
+            for w in waiting.pop(x, ()):
+                pending[w].discard(x)
+                if not pending[w]:
+                    del pending[w]
+                    stack.append(w)
+    if pending:
+        raise ValueError("order could not be made topological")
+    return out

@@ -1,0 +1,322 @@
+"""FastSA: simulated annealing over a fixed-length compute sequence (Imanishi et al., NeurIPS 2023).
+
+The sequence has ``T`` slots (a few per node); the reference order is spread through it and the
+rest are no-ops. A mutation adds a copy of a node (a recomputation shortly before one of its
+readers), removes a copy, or moves one; each keeps the sequence valid with O(degree) checks, and
+updates the life intervals it touches and the memory of every slot with O(log T) range-add /
+range-max segment-tree operations (:mod:`tf_remat.solvers._fastsa_kernel`, compiled by numba and
+cached on disk). The objective is ``max(budget, peak) * cost`` (or, with ``elu``, an ELU-shaped
+reward below the budget); the temperature falls geometrically from ``t0`` to ``t1``.
+
+Two stages, as in the paper (App. C.1): the first anneals *groups* - a node together with the
+chain of single-reader, single-input nodes it feeds, added and removed as one block of copies -
+approximated here by a hotter first stage over the same mutations with long-distance moves, and
+the second anneals single nodes at a lower temperature starting from the best state of the
+first.
+
+The strategy is seeded: the same seed, graph, budget and options give the same plan (the number
+of proposals is fixed before the run; the time limit only cuts a run short).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+
+from tf_remat.errors import StrategyError
+from tf_remat.graph import Graph
+from tf_remat.plan import Schedule
+from tf_remat.solvers import register
+from tf_remat.solvers._staged import Deadline, check_hint, evaluate
+
+__all__ = ["fastsa", "FastSAState"]
+
+_OPTIONS = {
+    "order": (str, "free", "free: anneal the execution order too; fixed: keep the graph's "
+                           "reference order of first computations"),
+    "iterations": (int, 0, "proposals in all (0: from the graph size and time limit)"),
+    "slots": (float, 2.0, "sequence length as a multiple of the node count"),
+    "t0": (float, 0.02, "initial temperature (relative objective change)"),
+    "t1": (float, 2e-5, "final temperature"),
+    "penalty": (float, 2.0, "slope of the objective over the budget in the second stage "
+                            "(1: the paper's max(budget, peak) * cost, which the first stage "
+                            "uses)"),
+    "elu": (bool, False, "ELU penalty variant: reward memory below the budget a little"),
+    "restarts": (int, 1, "independent runs (seeds seed, seed+1, ...); the best is kept"),
+    "hint": (tuple, None, "a compute sequence to start from (Python API)"),
+}
+
+# proposals per second assumed when a time limit sizes the run (deterministic for a given
+# limit; a slower machine stops at the limit with what it has)
+_RATE = 400_000.0
+_CHUNK = 100_000
+
+
+def _csr(lists, n):
+    ptr = np.zeros(n + 1, np.int64)
+    for v in range(n):
+        ptr[v + 1] = ptr[v] + len(lists[v])
+    idx = np.fromiter((u for v in range(n) for u in lists[v]), np.int64, count=int(ptr[n]))
+    return ptr, idx
+
+
+def _kernel():
+    from tf_remat.solvers import _fastsa_kernel as K  # numba import is slow: only when used
+
+    return K
+
+
+class FastSAState:
+    """Arrays of one annealing run (see the kernel module for their meaning)."""
+
+    def __init__(self, graph: Graph, budget: int, *, slots: float = 2.0, fixed_order=False,
+                 elu=False, seed: int = 0):
+        K = _kernel()
+        self.K = K
+        n = graph.n
+        self.graph = graph
+        self.n = n
+        self.pred_ptr, self.pred_idx = _csr(graph.preds, n)
+        self.succ_ptr, self.succ_idx = _csr(graph.succs, n)
+        self.mem = np.asarray(graph.memory, np.int64)
+        self.extra = np.zeros(n, np.int64)
+        self.cost = np.asarray(graph.cost, np.float64)
+        out = np.zeros(n, np.int8)
+        out[list(graph.outputs)] = 1
+        self.is_out = out
+        self.recomp = np.asarray(graph.recomputable, np.int8)
+        T = max(n + 2, int(math.ceil(slots * n)))
+        self.T = T
+        size = 1
+        while size < T:
+            size *= 2
+        self.size = size
+        self.slot_node = np.full(T, -1, np.int64)
+        self.slot_end = np.full(T, -1, np.int64)
+        self.nxt = np.full(T, -1, np.int64)
+        self.prv = np.full(T, -1, np.int64)
+        self.head = np.full(n, -1, np.int64)
+        self.ncopy = np.zeros(n, np.int64)
+        self.multi = np.zeros(n, np.int64)
+        self.mpos = np.full(n, -1, np.int64)
+        self.tr = np.zeros(2 * size, np.int64)
+        self.lz = np.zeros(2 * size, np.int64)
+        mixed = (int(seed) * 0x9E3779B97F4A7C15 + 0x2545F4914F6CDD1D) % (1 << 64)
+        self.rng = np.array([mixed or 1], np.uint64)
+        self.fst = np.zeros(8, np.float64)
+        self.ist = np.zeros(12, np.int64)
+        self.best_feas = np.full(T, -1, np.int64)
+        self.best_any = np.full(T, -1, np.int64)
+        self.fpar = np.zeros(10, np.float64)
+        self.ipar = np.zeros(8, np.int64)
+        self.fpar[K.F_BUDGET] = budget
+        self.fpar[K.F_FIXED] = graph.fixed_memory
+        self.fpar[K.F_PENALTY] = 1.0
+        self.fpar[K.F_ELU_SCALE] = 0.05
+        self.fpar[K.F_P_ADD] = 0.3
+        self.fpar[K.F_P_REMOVE] = 0.3
+        self.ipar[K.I_T] = T
+        self.ipar[K.I_SIZE] = size
+        self.ipar[K.I_FIXED_ORDER] = 1 if fixed_order else 0
+        self.ipar[K.I_ELU] = 1 if elu else 0
+        self.ipar[K.I_MAX_DIST] = max(2, min(T - 1, 4 * int(math.sqrt(n)) + 8))
+        self.ipar[K.I_SNAP_GAP] = max(1000, T // 4)
+
+    # ----------------------------------------------------------------- state
+    def build(self, seq):
+        K = self.K
+        seq = np.asarray(seq, np.int64)
+        K.build(seq, self.T, self.size, self.succ_ptr, self.succ_idx, self.mem, self.extra,
+                self.cost, self.is_out, self.slot_node, self.slot_end, self.nxt, self.prv,
+                self.head, self.ncopy, self.multi, self.mpos, self.tr, self.lz, self.fst,
+                self.ist)
+        self.fst[K.S_OBJ] = self.objective()
+        # best-so-far bookkeeping restarts with the new state
+        for k in (K.C_HAVE_FEAS, K.C_HAVE_ANY, K.C_PENDING_FEAS, K.C_PENDING_ANY):
+            self.ist[k] = 0
+        self.ist[K.C_SNAP_FEAS_IT] = 0
+        self.ist[K.C_SNAP_ANY_IT] = 0
+        self._track_now()
+
+    def _track_now(self):
+        K = self.K
+        M, C = self.peak(), float(self.fst[K.S_COST])
+        if M <= self.fpar[K.F_BUDGET]:
+            self.best_feas[:] = self.slot_node
+            self.fst[K.S_BEST_FEAS_COST] = C
+            self.fst[K.S_BEST_FEAS_PEAK] = M
+            self.ist[K.C_HAVE_FEAS] = 1
+        self.best_any[:] = self.slot_node
+        self.fst[K.S_BEST_ANY_OBJ] = self.fst[K.S_OBJ]
+        self.fst[K.S_BEST_ANY_COST] = C
+        self.fst[K.S_BEST_ANY_PEAK] = M
+        self.ist[K.C_HAVE_ANY] = 1
+
+    def peak(self) -> int:
+        return int(self.graph.fixed_memory + self.tr[1])
+
+    def objective(self) -> float:
+        K = self.K
+        return float(K._objective(float(self.peak()), float(self.fst[K.S_COST]),
+                                  self.fpar[K.F_BUDGET], self.fpar[K.F_PENALTY],
+                                  self.ipar[K.I_ELU] != 0, self.fpar[K.F_ELU_SCALE]))
+
+    def anneal(self, n_iter: int, t0: float, t1: float, total: int, start_iter: int = 0):
+        """Run ``n_iter`` proposals of a schedule of ``total`` (resumable)."""
+        K = self.K
+        self.fpar[K.F_T0] = t0
+        self.fpar[K.F_T1] = t1
+        self.fpar[K.F_TOTAL_IT] = max(1, total)
+        return K.anneal(int(n_iter), self.fpar, self.ipar, self.pred_ptr, self.pred_idx,
+                        self.succ_ptr, self.succ_idx, self.mem, self.extra, self.cost,
+                        self.is_out, self.recomp, self.slot_node, self.slot_end, self.nxt,
+                        self.prv, self.head, self.ncopy, self.multi, self.mpos, self.tr,
+                        self.lz, self.rng, self.fst, self.ist, self.best_feas, self.best_any)
+
+    def check(self) -> int:
+        """Mismatches between the incremental state and a rebuild from scratch (0 = exact)."""
+        return int(self.K.check_state(self.T, self.size, self.pred_ptr, self.pred_idx,
+                                      self.succ_ptr, self.succ_idx, self.mem, self.extra,
+                                      self.is_out, self.slot_node, self.slot_end, self.nxt,
+                                      self.head, self.tr, self.lz))
+
+    def sequence(self, which: str = "current") -> tuple:
+        arr = {"current": self.slot_node, "feasible": self.best_feas, "any": self.best_any}[which]
+        return tuple(int(v) for v in self.K.compact(arr))
+
+    @property
+    def have_feasible(self) -> bool:
+        return bool(self.ist[self.K.C_HAVE_FEAS])
+
+
+def default_iterations(graph: Graph, time_limit) -> int:
+    it = int(min(40_000_000, max(3_000_000, 8_000 * graph.n)))
+    if time_limit is not None:
+        it = int(min(it, max(20_000, 0.85 * float(time_limit) * _RATE)))
+    return it
+
+
+@register("fastsa", "FastSA simulated annealing over a slotted sequence (numba; order=free "
+                    "reorders, order=fixed keeps the reference order)", options=_OPTIONS)
+def fastsa(graph: Graph, budget: int, *, time_limit=None, seed: int = 0, progress=None,
+           order: str = "free", iterations: int = 0, slots: float = 2.0, t0: float = 0.02,
+           t1: float = 2e-5, penalty: float = 2.0, elu: bool = False, restarts: int = 1, hint=None) -> Schedule:
+    """Anneal; return the cheapest sequence within budget found (``feasible``), else the one of
+    least peak by the objective (``infeasible``)."""
+    if order not in ("free", "fixed"):
+        raise StrategyError(f"option order={order!r} of strategy 'fastsa' must be free or fixed")
+    if slots < 1.0:
+        raise StrategyError(f"option slots={slots} of strategy 'fastsa' must be >= 1")
+    if not (t0 > 0 and t1 > 0):
+        raise StrategyError("options t0 and t1 of strategy 'fastsa' must be > 0")
+    hint = check_hint(hint, graph)
+    deadline = Deadline(time_limit, reserve=min(0.5, 0.05 * time_limit) if time_limit else 0.0)
+    start = time.perf_counter()
+    fixed_order = order == "fixed"
+    total = int(iterations) if iterations > 0 else default_iterations(graph, time_limit)
+    restarts = max(1, int(restarts))
+    per_run = max(1, total // restarts)
+    # candidates measured by the simulator: (within budget, cost or peak key, sequence)
+    best = None   # (feasible, key, seq, peak, cost)
+
+    def consider(seq, where):
+        nonlocal best
+        if not seq:
+            return
+        r = evaluate(graph, seq)
+        if r is None:
+            return
+        peak, cost = r
+        if fixed_order and not _keeps_order(graph, seq):
+            return
+        if any(not graph.recomputable[v] for v in _repeated(seq)):
+            return
+        cand = (peak <= budget, cost if peak <= budget else max(peak, budget) * cost, peak)
+        key = (0 if cand[0] else 1, cand[1])
+        if best is None or key < best[0]:
+            best = (key, tuple(seq), peak, cost, where)
+            if progress is not None and cand[0]:
+                progress(cost=cost, peak=peak)
+
+    start_seq = graph.order
+    if hint is not None and (not fixed_order or _keeps_order(graph, hint)):
+        if evaluate(graph, hint) is not None:
+            start_seq = hint
+    consider(graph.order, "reference order")
+    if start_seq is not graph.order:
+        consider(start_seq, "hint")
+    done = 0
+    stopped = False
+    stats = {"proposed": 0, "applied": 0, "accepted": 0}
+    anneal_seconds = 0.0
+    for r in range(restarts):
+        state = FastSAState(graph, budget, slots=slots, fixed_order=fixed_order, elu=elu,
+                            seed=seed * 1000 + r)
+        K = state.K
+        state.build(start_seq)
+        # stage 1: hot, long moves; stage 2 from stage 1's best: cooler, local moves
+        n1 = per_run * 2 // 5
+        stages = [(n1, t0, math.sqrt(t0 * t1)), (per_run - n1, math.sqrt(t0 * t1) * 0.5, t1)]
+        for si, (n_it, a, b) in enumerate(stages):
+            if si == 1:
+                seq = state.sequence("feasible" if state.have_feasible else "any")
+                state.build(seq)
+                state.ipar[K.I_MAX_DIST] = max(2, min(state.T - 1, int(math.sqrt(graph.n)) + 8))
+                state.fpar[K.F_PENALTY] = penalty
+                state.fst[K.S_OBJ] = state.objective()
+                state.fst[K.S_BEST_ANY_OBJ] = state.fst[K.S_OBJ]
+            it = 0
+            while it < n_it:
+                if deadline.left() <= 0:
+                    stopped = True
+                    break
+                step = min(_CHUNK, n_it - it)
+                t_a = time.perf_counter()
+                state.anneal(step, a, b, n_it)
+                anneal_seconds += time.perf_counter() - t_a
+                it += step
+                done += step
+                if progress is not None and state.have_feasible:
+                    progress(cost=float(state.fst[K.S_BEST_FEAS_COST]),
+                             peak=int(state.fst[K.S_BEST_FEAS_PEAK]))
+            state.ist[K.C_ITER] = 0   # next stage's schedule starts at its own beginning
+            if stopped:
+                break
+        stats["proposed"] += int(state.ist[K.C_PROPOSED])
+        stats["applied"] += int(state.ist[K.C_APPLIED])
+        stats["accepted"] += int(state.ist[K.C_ACCEPTED])
+        if state.have_feasible:
+            consider(state.sequence("feasible"), f"run {r}")
+        consider(state.sequence("any"), f"run {r} (any)")
+        if stopped:
+            break
+    elapsed = time.perf_counter() - start
+    info = {"iterations": done, "planned_iterations": total, "slots": state.T,
+            "order": order, "stopped_by_time": stopped,
+            "mutations_per_second": round(done / anneal_seconds) if anneal_seconds > 0 else None,
+            **stats}
+    if best is None:
+        return Schedule(sequence=(), status="timeout", solve_seconds=elapsed, info=info)
+    info["from"] = best[4]
+    status = "feasible" if best[2] <= budget else "infeasible"
+    return Schedule(sequence=best[1], status=status, solve_seconds=elapsed, info=info)
+
+
+def _repeated(seq):
+    seen, rep = set(), set()
+    for v in seq:
+        if v in seen:
+            rep.add(v)
+        seen.add(v)
+    return rep
+
+
+def _keeps_order(graph: Graph, seq) -> bool:
+    seen, first = set(), []
+    for v in seq:
+        if v not in seen:
+            seen.add(v)
+            first.append(v)
+    return tuple(first) == tuple(graph.order)
