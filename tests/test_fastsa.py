@@ -122,8 +122,11 @@ def test_mutation_rate():
     g = random_layered_graph(400, seed=6)
     budget = int(g.no_remat_peak * 0.8)
     p = solve(g, budget, "fastsa", iterations=2_000_000, verbose=0)
-    # iterations per second of the compiled loop (a loose floor: the machine is shared)
-    assert p.info["mutations_per_second"] > 300_000
+    # mutations applied and evaluated per second of the compiled loop: about 1M on one free
+    # core here (tools/bench_solvers.py and bench_scale.py report it); a loose floor because CI
+    # machines are shared
+    assert p.info["mutations_per_second"] > 200_000
+    assert p.info["iterations_per_second"] >= p.info["mutations_per_second"]
 
 
 # --------------------------------------------------------------------- auto

@@ -115,7 +115,8 @@ def _run(path, g, budget, strategy, time_limit):
     res.update(status=plan.status, peak=sim.peak_memory, cost=sim.cost,
                overhead=sim.cost / g.total_cost - 1 if g.total_cost else 0.0,
                within=sim.peak_memory <= budget, lower_bound=plan.lower_bound,
-               time_to_best=plan.info.get("time_to_best"), solve_seconds=plan.solve_seconds)
+               time_to_best=plan.info.get("time_to_best"), solve_seconds=plan.solve_seconds,
+               rate=plan.info.get("mutations_per_second"))
     return res
 
 
@@ -137,6 +138,9 @@ def _summarize(stem, g, frac, budget, strat, runs):
                time_to_best=(statistics.median(r["time_to_best"] for r in pick
                                                if r["time_to_best"] is not None)
                              if any(r["time_to_best"] is not None for r in pick) else None))
+    rates = [r["rate"] for r in pick if r.get("rate")]
+    if rates:
+        row["rate"] = statistics.median(rates)
     lbs = [r["lower_bound"] for r in pick if r["lower_bound"] is not None]
     if lbs:
         lb = max(lbs)
@@ -195,7 +199,8 @@ def _line(row):
     return (f"{row['graph']} {row['fraction']:.0%} {row['strategy']}: {row['status']} "
             f"{_fmt_pct(row['overhead'])}% peak {row['peak'] / row['budget']:.4f}B "
             f"gap {_fmt_pct(row.get('gap'), 2)}% best@{_fmt_s(row['time_to_best'])}s "
-            f"total {row['wall']:.1f}s")
+            f"total {row['wall']:.1f}s"
+            + (f" {row['rate'] / 1e6:.2f}M mutations/s" if row.get("rate") else ""))
 
 
 def _markdown(rows, args, elapsed):
@@ -220,7 +225,9 @@ def _markdown(rows, args, elapsed):
         "a bound. Budgets are fractions of the no-rematerialization peak of the reference "
         "order. Published: Checkmate MILP (Gurobi) and MOCCASIN on a 16-core workstation, "
         "FastSA (C++, one core), overhead % / seconds, from the benchmarks README (FastSA "
-        "also changes the order).",
+        "also changes the order). The machine's cores were shared with other jobs while "
+        "these ran, so times are upper bounds. FastSA rows: the number after the status is "
+        "the annealing kernel's rate (proposals per second, one core).",
         "",
     ]
     graphs = list(dict.fromkeys(r["graph"] for r in rows))
@@ -237,6 +244,8 @@ def _markdown(rows, args, elapsed):
                            f"({r.get('error') or ''}) | | | | {r['wall']:.1f} | | {pub} |")
                 continue
             flag = "" if r["within"] else " (over budget)"
+            if r.get("rate"):
+                flag += f", {r['rate'] / 1e6:.2f}M/s"
             out.append(
                 f"| {r['fraction']:.0%} | {r['strategy']} | {r['status']}{flag} | "
                 f"{_fmt_pct(r['overhead'])} | {r['peak'] / r['budget']:.4f} | "

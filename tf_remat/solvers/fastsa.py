@@ -8,11 +8,13 @@ range-max segment-tree operations (:mod:`tf_remat.solvers._fastsa_kernel`, compi
 cached on disk). The objective is ``max(budget, peak) * cost`` (or, with ``elu``, an ELU-shaped
 reward below the budget); the temperature falls geometrically from ``t0`` to ``t1``.
 
-Two stages, as in the paper (App. C.1): the first anneals *groups* - a node together with the
-chain of single-reader, single-input nodes it feeds, added and removed as one block of copies -
-approximated here by a hotter first stage over the same mutations with long-distance moves, and
-the second anneals single nodes at a lower temperature starting from the best state of the
-first.
+Two stages: the paper (App. C.1) anneals *groups* of nodes first (a node with the chain of
+nodes it alone feeds, added and removed as one block) and single nodes after, at a lower
+temperature. Grouping is not implemented yet: the first stage here anneals single nodes too,
+hotter, with long-distance moves and the plain ``max(budget, peak) * cost`` objective; the second
+starts from the first's best state (within budget when one was found), cooler, with local moves
+and a steeper slope over the budget (``penalty``), which finds plans within the budget on small
+graphs where the plain objective settles just over it.
 
 The strategy is seeded: the same seed, graph, budget and options give the same plan (the number
 of proposals is fixed before the run; the time limit only cuts a run short).
@@ -44,7 +46,8 @@ _OPTIONS = {
                             "(1: the paper's max(budget, peak) * cost, which the first stage "
                             "uses)"),
     "elu": (bool, False, "ELU penalty variant: reward memory below the budget a little"),
-    "restarts": (int, 1, "independent runs (seeds seed, seed+1, ...); the best is kept"),
+    "restarts": (int, 0, "independent runs from the start sequence (0: 3 on graphs of up to "
+                         "400 nodes, else 1); the best is kept"),
     "hint": (tuple, None, "a compute sequence to start from (Python API)"),
 }
 
@@ -191,8 +194,8 @@ class FastSAState:
         return bool(self.ist[self.K.C_HAVE_FEAS])
 
 
-def default_iterations(graph: Graph, time_limit) -> int:
-    it = int(min(40_000_000, max(3_000_000, 8_000 * graph.n)))
+def default_iterations(graph: Graph, time_limit, restarts: int = 1) -> int:
+    it = int(min(40_000_000, restarts * max(3_000_000, 8_000 * graph.n)))
     if time_limit is not None:
         it = int(min(it, max(20_000, 0.85 * float(time_limit) * _RATE)))
     return it
@@ -202,7 +205,8 @@ def default_iterations(graph: Graph, time_limit) -> int:
                     "reorders, order=fixed keeps the reference order)", options=_OPTIONS)
 def fastsa(graph: Graph, budget: int, *, time_limit=None, seed: int = 0, progress=None,
            order: str = "free", iterations: int = 0, slots: float = 2.0, t0: float = 0.02,
-           t1: float = 2e-5, penalty: float = 2.0, elu: bool = False, restarts: int = 1, hint=None) -> Schedule:
+           t1: float = 2e-5, penalty: float = 2.0, elu: bool = False, restarts: int = 0,
+           hint=None) -> Schedule:
     """Anneal; return the cheapest sequence within budget found (``feasible``), else the one of
     least peak by the objective (``infeasible``)."""
     if order not in ("free", "fixed"):
@@ -215,8 +219,10 @@ def fastsa(graph: Graph, budget: int, *, time_limit=None, seed: int = 0, progres
     deadline = Deadline(time_limit, reserve=min(0.5, 0.05 * time_limit) if time_limit else 0.0)
     start = time.perf_counter()
     fixed_order = order == "fixed"
-    total = int(iterations) if iterations > 0 else default_iterations(graph, time_limit)
-    restarts = max(1, int(restarts))
+    if restarts <= 0:
+        restarts = 3 if graph.n <= 400 else 1
+    restarts = int(restarts)
+    total = int(iterations) if iterations > 0 else default_iterations(graph, time_limit, restarts)
     per_run = max(1, total // restarts)
     # candidates measured by the simulator: (within budget, cost or peak key, sequence)
     best = None   # (feasible, key, seq, peak, cost)
@@ -295,7 +301,11 @@ def fastsa(graph: Graph, budget: int, *, time_limit=None, seed: int = 0, progres
     elapsed = time.perf_counter() - start
     info = {"iterations": done, "planned_iterations": total, "slots": state.T,
             "order": order, "stopped_by_time": stopped,
-            "mutations_per_second": round(done / anneal_seconds) if anneal_seconds > 0 else None,
+            # mutations applied (and evaluated, then kept or undone) per second of the kernel;
+            # proposals that fail a validity check before any change are not counted
+            "mutations_per_second": (round(stats["applied"] / anneal_seconds)
+                                     if anneal_seconds > 0 else None),
+            "iterations_per_second": round(done / anneal_seconds) if anneal_seconds > 0 else None,
             **stats}
     if best is None:
         return Schedule(sequence=(), status="timeout", solve_seconds=elapsed, info=info)
