@@ -48,7 +48,8 @@ print(json.dumps({"nodes": g.n, "edges": len(g.edges), "no_remat_peak": g.no_rem
                   "status": plan.status, "peak": sim.peak_memory,
                   "overhead": sim.cost / g.total_cost - 1, "solve_s": solve_s,
                   "build_s": t_build, "time_to_best": info.get("time_to_best"),
-                  "rate": info.get("mutations_per_second"),
+                  "rate": info.get("mutations_per_second") or
+                          (fs.get("mutations_per_second") if fs else None),
                   "iterations": info.get("iterations"), "winner": info.get("winner"),
                   "fastsa_s": fs.get("seconds") if fs else None}))
 """

@@ -227,7 +227,7 @@ def _markdown(rows, args, elapsed):
         "FastSA (C++, one core), overhead % / seconds, from the benchmarks README (FastSA "
         "also changes the order). The machine's cores were shared with other jobs while "
         "these ran, so times are upper bounds. FastSA rows: the number after the status is "
-        "the annealing kernel's rate (proposals per second, one core).",
+        "the annealing kernel's rate (mutations applied and evaluated per second, one core).",
         "",
     ]
     graphs = list(dict.fromkeys(r["graph"] for r in rows))

@@ -9,7 +9,8 @@ accepts at every point:
 2. FastSA (:mod:`tf_remat.solvers.fastsa`) from the best plan so far;
 3. the exact solvers warm-started from the best plan so far: Checkmate's MILP on small graphs
    (it proves the fixed-order optimum), then MOCCASIN on CP-SAT with ``hint=`` the best
-   sequence (searching the stages of that plan's order) while time is left.
+   sequence (searching the stages of that plan's order) while time is left; graphs too large
+   for MOCCASIN get up to three more (cooler) FastSA runs from the best plan instead.
 
 The returned schedule carries the best proven lower bound; ``info`` says what each component
 found, which one won, the bound and the gap. Bounds of the fixed-order exact solvers bound plans
@@ -100,13 +101,16 @@ def auto(graph: Graph, budget: int, *, time_limit=None, seed: int = 0, progress=
         t = time.perf_counter()
         tl = max(0.05, min(share_s, deadline.left()))
         try:
-            s = strat.func(graph, budget, time_limit=tl, seed=seed, progress=None, **opts)
+            off = opts.pop("seed_offset", 0)
+            s = strat.func(graph, budget, time_limit=tl, seed=seed + off, progress=None, **opts)
         except Exception as exc:  # noqa: BLE001 - a failing component must not sink the portfolio
             runs.append({"strategy": name, "error": f"{type(exc).__name__}: {exc}"})
             return None
         took = time.perf_counter() - t
         r = evaluate(graph, s.sequence) if s.sequence else None
         entry = {"strategy": name, "status": s.status, "seconds": round(took, 3)}
+        if s.info.get("mutations_per_second"):
+            entry["mutations_per_second"] = s.info["mutations_per_second"]
         if r is not None:
             entry.update(peak=int(r[0]), cost=r[1])
         if strat.exact and s.lower_bound is not None and opts.get("order", "fixed") == "fixed":
@@ -130,7 +134,10 @@ def auto(graph: Graph, budget: int, *, time_limit=None, seed: int = 0, progress=
                               "runs": [{"strategy": "checkpoint-all", "cost": total}]})
     if hint is not None:
         consider(hint, "hint")
-    for name in _BASELINES:
+    # the greedy baselines take seconds on graphs of thousands of nodes and ignore short limits:
+    # there, only the fast one runs and FastSA gets the time
+    baselines = _BASELINES if (n <= 2000 or limit >= 30) else ("ap-greedy",)
+    for name in baselines:
         if deadline.left() <= 0:
             break
         run(name, max(0.2, 0.03 * limit))
@@ -156,6 +163,13 @@ def auto(graph: Graph, budget: int, *, time_limit=None, seed: int = 0, progress=
         else:
             mopts = {"order": "fixed"}
         run("moccasin", deadline.left(), **mopts)
+    # large graphs (no exact solver): more FastSA runs from the best plan while time is left
+    rerun = 0
+    while (n > moccasin_nodes and rerun < 3 and deadline.left() > 5.0
+           and best is not None and best["peak"] <= budget):
+        rerun += 1
+        run("fastsa", deadline.left(), order=order, hint=best["seq"], t0=0.005,
+            restarts=1, seed_offset=rerun)
     elapsed = time.perf_counter() - start
     info = {"runs": runs, "order": order}
     if best is None:

@@ -53,7 +53,7 @@ _OPTIONS = {
 
 # proposals per second assumed when a time limit sizes the run (deterministic for a given
 # limit; a slower machine stops at the limit with what it has)
-_RATE = 400_000.0
+_RATE = 1_000_000.0
 _CHUNK = 100_000
 
 
