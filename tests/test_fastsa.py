@@ -165,3 +165,49 @@ def test_auto_checkpoint_all_when_it_fits():
     g = random_dag(30, seed=1)
     a = solve(g, g.no_remat_peak, "auto", verbose=0)
     assert a.status == "optimal" and a.cost == pytest.approx(g.total_cost)
+
+
+def _chain_graph():
+    """Two chains of single-reader nodes from a source, joined, then a readout that reads the
+    chain heads too (a forward graph with long chains to group)."""
+    import random
+
+    from tf_remat.graph import Graph
+    rng = random.Random(0)
+    edges, n = [], 1
+    ends = []
+    for _ in range(3):
+        prev = 0
+        for _ in range(6):
+            edges.append((prev, n))
+            prev, n = n, n + 1
+        ends.append(prev)
+    join = n
+    edges += [(e, join) for e in ends]
+    out = join + 1
+    edges += [(join, out), (0, out)]
+    n = out + 1
+    return Graph(cost=[rng.randint(1, 9) for _ in range(n)],
+                 memory=[rng.randint(1, 30) for _ in range(n)], edges=edges, name="chains")
+
+
+def test_grouping_first_stage():
+    from tf_remat.solvers.fastsa import FastSAState, _Grouping
+    g = _chain_graph()
+    G = _Grouping(g)
+    assert G.coarse.n < g.n
+    # a plan of groups expands to a valid plan of nodes that peaks no higher than the kernel's
+    # count for the groups
+    budget = int(g.no_remat_peak * 0.8)
+    s = FastSAState(G.coarse, budget, seed=3)
+    s.extra[:] = G.extra
+    s.build(G.to_coarse(g.order))
+    for _ in range(10):
+        s.anneal(3_000, 0.05, 0.001, 30_000)
+        assert s.check() == 0
+        sim = simulate(g, steps_from_sequence(g, G.expand(s.sequence())))
+        assert sim.peak_memory <= s.peak()
+    p = run_strategy_test("fastsa", g, budget, iterations=ITS)
+    assert p.info["groups"] == G.coarse.n
+    off = solve(g, budget, "fastsa", iterations=ITS, grouping=False, verbose=0)
+    assert off.info["groups"] is None

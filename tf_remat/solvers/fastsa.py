@@ -48,6 +48,8 @@ _OPTIONS = {
     "elu": (bool, False, "ELU penalty variant: reward memory below the budget a little"),
     "restarts": (int, 0, "independent runs from the start sequence (0: 3 on graphs of up to "
                          "400 nodes, else 1); the best is kept"),
+    "grouping": (bool, True, "first stage on groups (chains of single-reader nodes) as in "
+                             "the paper's App. C.1 (order=free only)"),
     "hint": (tuple, None, "a compute sequence to start from (Python API)"),
 }
 
@@ -206,7 +208,7 @@ def default_iterations(graph: Graph, time_limit, restarts: int = 1) -> int:
 def fastsa(graph: Graph, budget: int, *, time_limit=None, seed: int = 0, progress=None,
            order: str = "free", iterations: int = 0, slots: float = 2.0, t0: float = 0.02,
            t1: float = 2e-5, penalty: float = 2.0, elu: bool = False, restarts: int = 0,
-           hint=None) -> Schedule:
+           grouping: bool = True, hint=None) -> Schedule:
     """Anneal; return the cheapest sequence within budget found (``feasible``), else the one of
     least peak by the objective (``infeasible``)."""
     if order not in ("free", "fixed"):
@@ -257,22 +259,42 @@ def fastsa(graph: Graph, budget: int, *, time_limit=None, seed: int = 0, progres
     stopped = False
     stats = {"proposed": 0, "applied": 0, "accepted": 0}
     anneal_seconds = 0.0
+    groups = _Grouping(graph) if (grouping and not fixed_order) else None
+    if groups is not None and groups.coarse.n > 0.95 * graph.n:
+        groups = None    # too few chains to be worth a stage of their own
     for r in range(restarts):
         state = FastSAState(graph, budget, slots=slots, fixed_order=fixed_order, elu=elu,
                             seed=seed * 1000 + r)
         K = state.K
         state.build(start_seq)
-        # stage 1: hot, long moves; stage 2 from stage 1's best: cooler, local moves
+        # stage 1: hot, long moves (on groups when there are any); stage 2 from stage 1's best,
+        # on single nodes: cooler, local moves, steeper penalty
         n1 = per_run * 2 // 5
         stages = [(n1, t0, math.sqrt(t0 * t1)), (per_run - n1, math.sqrt(t0 * t1) * 0.5, t1)]
         for si, (n_it, a, b) in enumerate(stages):
+            run_state = state
+            if si == 0 and groups is not None:
+                run_state = FastSAState(groups.coarse, budget, slots=slots, elu=elu,
+                                        seed=seed * 1000 + r + 500)
+                run_state.extra[:] = groups.extra
+                run_state.build(groups.to_coarse(start_seq))
             if si == 1:
-                seq = state.sequence("feasible" if state.have_feasible else "any")
+                if groups is not None:
+                    prev = stage_state
+                    seq = groups.expand(prev.sequence("feasible" if prev.have_feasible
+                                                      else "any"))
+                    for k_, key in ((K.C_PROPOSED, "proposed"), (K.C_APPLIED, "applied"),
+                                    (K.C_ACCEPTED, "accepted")):
+                        stats[key] += int(prev.ist[k_])
+                else:
+                    seq = state.sequence("feasible" if state.have_feasible else "any")
+                consider(seq, f"run {r} stage 1")
                 state.build(seq)
                 state.ipar[K.I_MAX_DIST] = max(2, min(state.T - 1, int(math.sqrt(graph.n)) + 8))
                 state.fpar[K.F_PENALTY] = penalty
                 state.fst[K.S_OBJ] = state.objective()
                 state.fst[K.S_BEST_ANY_OBJ] = state.fst[K.S_OBJ]
+            stage_state = run_state
             it = 0
             while it < n_it:
                 if deadline.left() <= 0:
@@ -280,15 +302,19 @@ def fastsa(graph: Graph, budget: int, *, time_limit=None, seed: int = 0, progres
                     break
                 step = min(_CHUNK, n_it - it)
                 t_a = time.perf_counter()
-                state.anneal(step, a, b, n_it)
+                run_state.anneal(step, a, b, n_it)
                 anneal_seconds += time.perf_counter() - t_a
                 it += step
                 done += step
-                if progress is not None and state.have_feasible:
+                if progress is not None and run_state is state and state.have_feasible:
                     progress(cost=float(state.fst[K.S_BEST_FEAS_COST]),
                              peak=int(state.fst[K.S_BEST_FEAS_PEAK]))
-            state.ist[K.C_ITER] = 0   # next stage's schedule starts at its own beginning
+            run_state.ist[K.C_ITER] = 0   # next stage's schedule starts at its own beginning
             if stopped:
+                if run_state is not state:
+                    prev = run_state
+                    consider(groups.expand(prev.sequence("feasible" if prev.have_feasible
+                                                         else "any")), f"run {r} stage 1")
                 break
         stats["proposed"] += int(state.ist[K.C_PROPOSED])
         stats["applied"] += int(state.ist[K.C_APPLIED])
@@ -299,7 +325,7 @@ def fastsa(graph: Graph, budget: int, *, time_limit=None, seed: int = 0, progres
         if stopped:
             break
     elapsed = time.perf_counter() - start
-    info = {"iterations": done, "planned_iterations": total, "slots": state.T,
+    info = {"groups": groups.coarse.n if groups is not None else None, "iterations": done, "planned_iterations": total, "slots": state.T,
             "order": order, "stopped_by_time": stopped,
             # mutations applied (and evaluated, then kept or undone) per second of the kernel;
             # proposals that fail a validity check before any change are not counted
@@ -330,3 +356,62 @@ def _keeps_order(graph: Graph, seq) -> bool:
             seen.add(v)
             first.append(v)
     return tuple(first) == tuple(graph.order)
+
+
+class _Grouping:
+    """Chains ``c1 -> ... -> ck`` where each ``ci`` (i < k) is read only by ``c(i+1)``, which
+    reads only ``ci``, and is not an output, contracted to one node (the paper's grouping,
+    App. C.1). A group's output is ck's; computing it holds, at its peak, the largest pair of
+    consecutive members (or c1 alone), which the kernel adds at the compute slot as ``extra``.
+    Its inputs are c1's, kept to the group's slot, so a group's memory is never under-counted:
+    a plan of groups expands to a plan of nodes that peaks no higher."""
+
+    def __init__(self, graph: Graph):
+        n = graph.n
+        preds, succs = graph.preds, graph.succs
+        outs = set(graph.outputs)
+        nxt = [-1] * n
+        has_prev = [False] * n
+        for u in range(n):
+            if len(succs[u]) == 1 and u not in outs:
+                w = succs[u][0]
+                if len(preds[w]) == 1 and graph.recomputable[u] == graph.recomputable[w]:
+                    nxt[u] = w
+                    has_prev[w] = True
+        members = []
+        gid = [-1] * n
+        for v in graph.order:
+            if has_prev[v]:
+                continue
+            chain = [v]
+            while nxt[chain[-1]] != -1:
+                chain.append(nxt[chain[-1]])
+            for c in chain:
+                gid[c] = len(members)
+            members.append(chain)
+        self.members, self.gid = members, gid
+        pos = graph.position
+        m = len(members)
+        cost = [sum(graph.cost[c] for c in ch) for ch in members]
+        mem = [graph.memory[ch[-1]] for ch in members]
+        extra = np.zeros(m, np.int64)
+        for g, ch in enumerate(members):
+            top = graph.memory[ch[0]]
+            for a, b in zip(ch, ch[1:]):
+                top = max(top, graph.memory[a] + graph.memory[b])
+            extra[g] = top - graph.memory[ch[-1]]
+        edges = {(gid[u], gid[v]) for u, v in graph.edges if gid[u] != gid[v]}
+        order = sorted(range(m), key=lambda g: pos[members[g][-1]])
+        self.last = {ch[-1]: g for g, ch in enumerate(members)}
+        self.extra = extra
+        self.coarse = Graph(cost=cost, memory=mem, edges=sorted(edges), order=order,
+                            outputs=[gid[o] for o in graph.outputs],
+                            fixed_memory=graph.fixed_memory,
+                            recomputable=[graph.recomputable[ch[0]] for ch in members],
+                            name=graph.name + "/groups")
+
+    def to_coarse(self, seq):
+        return [self.last[v] for v in seq if v in self.last]
+
+    def expand(self, seq):
+        return tuple(c for g in seq for c in self.members[g])
