@@ -8,13 +8,14 @@ range-max segment-tree operations (:mod:`tf_remat.solvers._fastsa_kernel`, compi
 cached on disk). The objective is ``max(budget, peak) * cost`` (or, with ``elu``, an ELU-shaped
 reward below the budget); the temperature falls geometrically from ``t0`` to ``t1``.
 
-Two stages: the paper (App. C.1) anneals *groups* of nodes first (a node with the chain of
-nodes it alone feeds, added and removed as one block) and single nodes after, at a lower
-temperature. Grouping is not implemented yet: the first stage here anneals single nodes too,
-hotter, with long-distance moves and the plain ``max(budget, peak) * cost`` objective; the second
-starts from the first's best state (within budget when one was found), cooler, with local moves
-and a steeper slope over the budget (``penalty``), which finds plans within the budget on small
-graphs where the plain objective settles just over it.
+Two stages, as in the paper (App. C.1): the first anneals *groups* - chains of nodes each read
+only by the next, which reads nothing else, contracted to one node whose transient memory the
+kernel adds at its compute slot (``extra``) - hotter, with long-distance moves and the plain
+``max(budget, peak) * cost`` objective; the second expands the first's best state (within budget
+when one was found) and anneals single nodes, cooler, with local moves and a steeper slope over
+the budget (``penalty``), which finds plans within the budget on small graphs where the plain
+objective settles just over it. Training graphs rarely have such chains (the backward pass reads
+most forward values): there the first stage runs on single nodes too.
 
 The strategy is seeded: the same seed, graph, budget and options give the same plan (the number
 of proposals is fixed before the run; the time limit only cuts a run short).
