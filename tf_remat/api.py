@@ -409,6 +409,13 @@ class OptimizedStep:
             solve_budget = nxt
         if accepted is None and best is not None and best.measured["step_peak_bytes"] <= budget:
             accepted = best  # within the budget, not within the margin: the best there is
+        if accepted is None and best is not None and not apply_updates:
+            # a gradients-only step is for checks, not training: keep the plan, say so
+            warnings.warn(f"tf-remat: the gradients-only step measures "
+                          f"{format_bytes(best.measured['step_peak_bytes'])}, over the budget "
+                          f"{format_bytes(budget)}; its gradients are still exact",
+                          stacklevel=4)
+            accepted = best
         if accepted is None:
             if best is None:  # pragma: no cover (the first attempt raises)
                 _raise_infeasible(graph, plan, budget, o)

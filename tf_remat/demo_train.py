@@ -107,7 +107,7 @@ def run_training_demo(args) -> int:
 
     # ---- 4. measured peak and step time after
     state.restore()
-    after_runs = [step.measure(x, y)["step_peak_bytes"] for _ in range(3)]
+    after_runs = [step.measure(x, y)["step_peak_bytes"] for _ in range(5)]
     state.restore()
     peak = int(statistics.median(after_runs))
     t_plain, t_remat = _interleaved_times(plain.function, step, x, y, state, runs=5)
@@ -167,7 +167,7 @@ def run_training_demo(args) -> int:
         plot_msg = f"plot failed: {exc}"
 
     # ---- the table
-    within = peak <= 1.05 * budget
+    within = peak <= 1.05 * budget  # the median of 5 runs, with the 5% slack of the checks
     overhead_meas = t_remat / t_plain - 1
     rows = [
         ("model", f"{model.name}, batch {batch}, {rep['nodes']} solver nodes"),
