@@ -211,3 +211,13 @@ def test_grouping_first_stage():
     assert p.info["groups"] == G.coarse.n
     off = solve(g, budget, "fastsa", iterations=ITS, grouping=False, verbose=0)
     assert off.info["groups"] is None
+
+
+def test_auto_respects_short_time_limit():
+    g = random_layered_graph(300, seed=8)
+    budget = int(g.no_remat_peak * 0.8)
+    t = time.perf_counter()
+    p = solve(g, budget, "auto", time_limit=3, verbose=0)
+    assert time.perf_counter() - t < 4.5
+    assert p.status in ("optimal", "feasible") and p.peak_memory <= budget
+    assert any(r["strategy"] == "fastsa" for r in p.info["runs"])
