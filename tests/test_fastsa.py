@@ -221,3 +221,14 @@ def test_auto_respects_short_time_limit():
     assert time.perf_counter() - t < 4.5
     assert p.status in ("optimal", "feasible") and p.peak_memory <= budget
     assert any(r["strategy"] == "fastsa" for r in p.info["runs"])
+
+
+def test_hint_longer_than_default_slots():
+    g = linear_graph(40)
+    budget = int(g.no_remat_peak * 0.3)
+    h = solve(g, budget, "griewank-logn", verbose=0)
+    seq = sequence_from_steps(h.steps)
+    assert len(seq) > 2 * g.n
+    p = run_strategy_test("fastsa", g, budget, iterations=ITS, hint=seq)
+    assert p.status == "feasible"
+    assert p.cost <= h.cost + 1e-9

@@ -78,7 +78,7 @@ class FastSAState:
     """Arrays of one annealing run (see the kernel module for their meaning)."""
 
     def __init__(self, graph: Graph, budget: int, *, slots: float = 2.0, fixed_order=False,
-                 elu=False, seed: int = 0):
+                 elu=False, seed: int = 0, min_slots: int = 0):
         K = _kernel()
         self.K = K
         n = graph.n
@@ -93,7 +93,7 @@ class FastSAState:
         out[list(graph.outputs)] = 1
         self.is_out = out
         self.recomp = np.asarray(graph.recomputable, np.int8)
-        T = max(n + 2, int(math.ceil(slots * n)))
+        T = max(n + 2, int(math.ceil(slots * n)), int(min_slots))
         self.T = T
         size = 1
         while size < T:
@@ -134,6 +134,8 @@ class FastSAState:
     def build(self, seq):
         K = self.K
         seq = np.asarray(seq, np.int64)
+        if len(seq) > self.T:
+            raise ValueError(f"a sequence of {len(seq)} computations does not fit {self.T} slots")
         K.build(seq, self.T, self.size, self.succ_ptr, self.succ_idx, self.mem, self.extra,
                 self.cost, self.is_out, self.slot_node, self.slot_end, self.nxt, self.prv,
                 self.head, self.ncopy, self.multi, self.mpos, self.tr, self.lz, self.fst,
@@ -269,7 +271,7 @@ def fastsa(graph: Graph, budget: int, *, time_limit=None, seed: int = 0, progres
         groups = None    # too few chains to be worth a stage of their own
     for r in range(restarts):
         state = FastSAState(graph, budget, slots=slots, fixed_order=fixed_order, elu=elu,
-                            seed=seed * 1000 + r)
+                            seed=seed * 1000 + r, min_slots=(3 * len(start_seq)) // 2)
         K = state.K
         state.build(start_seq)
         # stage 1: hot, long moves (on groups when there are any); stage 2 from stage 1's best,
@@ -279,10 +281,12 @@ def fastsa(graph: Graph, budget: int, *, time_limit=None, seed: int = 0, progres
         for si, (n_it, a, b) in enumerate(stages):
             run_state = state
             if si == 0 and groups is not None:
+                coarse_start = groups.to_coarse(start_seq)
                 run_state = FastSAState(groups.coarse, budget, slots=slots, elu=elu,
-                                        seed=seed * 1000 + r + 500)
+                                        seed=seed * 1000 + r + 500,
+                                        min_slots=(3 * len(coarse_start)) // 2)
                 run_state.extra[:] = groups.extra
-                run_state.build(groups.to_coarse(start_seq))
+                run_state.build(coarse_start)
             if si == 1:
                 if groups is not None:
                     prev = stage_state
@@ -294,6 +298,8 @@ def fastsa(graph: Graph, budget: int, *, time_limit=None, seed: int = 0, progres
                 else:
                     seq = state.sequence("feasible" if state.have_feasible else "any")
                 consider(seq, f"run {r} stage 1")
+                if len(seq) > state.T:   # an expanded plan of groups too long for the slots
+                    seq = start_seq
                 state.build(seq)
                 state.ipar[K.I_MAX_DIST] = max(2, min(state.T - 1, int(math.sqrt(graph.n)) + 8))
                 state.fpar[K.F_PENALTY] = penalty
