@@ -336,9 +336,19 @@ def _build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("demo", help="the main job on a bundled example")
     s.add_argument("--graph", default=None,
-                   help="solve this graph file instead of the bundled one")
-    s.add_argument("--budget", default="0.8")
-    s.add_argument("--time-limit", type=float, default=10.0, help="seconds per strategy")
+                   help="solve this graph file ('bundled': the bundled one) with every strategy "
+                        "instead of training")
+    s.add_argument("--budget", default=None,
+                   help="fraction of the plain peak or a size (default: 0.6 of the measured "
+                        "plain step when training, 0.8 of the no-remat peak with --graph)")
+    s.add_argument("--time-limit", type=float, default=10.0, help="solver seconds (per strategy)")
+    s.add_argument("--model", default=None, help="zoo model to train (default bn_cnn)")
+    s.add_argument("--batch", type=int, default=None, help="batch size (default 64)")
+    s.add_argument("--epochs", type=int, default=None, help="epochs of model.fit (default 2)")
+    s.add_argument("--strategy", default=None, help="strategy for optimize (default auto)")
+    s.add_argument("-o", "--output", default=None,
+                   help="memory plot to write (default demo_memory.png)")
+    s.add_argument("--quiet", "-q", action="store_true", help="no solver progress")
     s.set_defaults(func=cmd_demo)
     return p
 

@@ -36,7 +36,7 @@ def run_demo(args) -> int:
         else:
             return run_training_demo(args)
     path = graph if graph and graph != "bundled" else bundled_graph_path()
-    return solver_table(path, getattr(args, "budget", "0.8"),
+    return solver_table(path, getattr(args, "budget", None) or "0.8",
                         time_limit=getattr(args, "time_limit", 10.0))
 
 

@@ -204,21 +204,9 @@ def run_training_demo(args) -> int:
 
 # --------------------------------------------------------------------- helpers
 def _budget_arg(args):
-    """The budget argument; the demo parser's default (0.8, meant for the graph demo) counts as
-    not given, so the training demo uses :data:`DEFAULT_FRACTION`."""
+    """The budget argument, :data:`DEFAULT_FRACTION` of the measured plain peak when not given."""
     value = getattr(args, "budget", None)
-    if value is None:
-        return DEFAULT_FRACTION
-    try:  # the value argparse filled in when --budget was not given is the parser's own object
-        from tf_remat.cli import _build_parser
-
-        sub = next(a for a in _build_parser()._actions  # noqa: SLF001
-                   if getattr(a, "choices", None) and "demo" in a.choices)
-        if value is sub.choices["demo"].get_default("budget"):
-            return DEFAULT_FRACTION
-    except Exception:  # noqa: BLE001
-        pass
-    return value
+    return DEFAULT_FRACTION if value is None else value
 
 
 def _device_name():
