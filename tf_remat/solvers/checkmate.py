@@ -169,7 +169,7 @@ def checkmate_lp_rounding(graph: Graph, budget: int, *, time_limit=None, seed: i
     over = None  # the lowest-peak rounding over budget, returned when none fits
     eps_list = (0.0, 0.02, 0.05, 0.1, 0.2, 0.3)
     for eps in eps_list:
-        if deadline.left() <= 0.05 and eps > 0:
+        if deadline.left() <= 0.05 and (eps > 0 or best is not None or over is not None):
             break
         res = model.solve(integral=False, deadline=deadline, seed=seed, allowance=eps)
         if res["values"] is None:
@@ -185,7 +185,10 @@ def checkmate_lp_rounding(graph: Graph, budget: int, *, time_limit=None, seed: i
                 progress(lower_bound=lb)
         s_frac = model.s_matrix(res["values"])
         for S in _roundings(P, s_frac, rng, samples):
-            if deadline.left() <= 0 and best is not None:
+            # past the deadline: stop even with nothing within budget (the lowest over-budget
+            # rounding is returned as infeasible; each rounding is simulated, which on large
+            # graphs takes long enough to overrun the limit by many seconds)
+            if deadline.left() <= 0 and (best is not None or tried > 0):
                 break
             tried += 1
             seq = _plan_from_s(graph, P, S)
