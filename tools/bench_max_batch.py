@@ -61,6 +61,9 @@ def main(argv=None) -> int:
     ap.add_argument("--models", nargs="+", help="default: " + " ".join(m[0] for m in MODELS))
     ap.add_argument("--strategy", default="auto")
     ap.add_argument("--time-limit", type=float, default=20.0, help="seconds per solve")
+    ap.add_argument("--model-timeout", type=float, default=900.0,
+                    help="seconds for one model's whole search (a model over it is reported as "
+                         "timed out)")
     ap.add_argument("-o", "--output", default=os.path.join(ROOT, "benchmarks", "results",
                                                            "max_batch.md"))
     args = ap.parse_args(argv)
@@ -72,8 +75,15 @@ def main(argv=None) -> int:
         cmd = [sys.executable, "-c", CHILD, name, size, str(b0), str(top), args.strategy,
                str(args.time_limit)]
         t = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        if proc.returncode != 0:
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env,
+                                  timeout=args.model_timeout)
+        except subprocess.TimeoutExpired:
+            proc = None
+        if proc is None:
+            row = {"model": name, "input": size, "b0": b0, "seconds": time.perf_counter() - t,
+                   "error": f"search not finished in {args.model_timeout:g} s"}
+        elif proc.returncode != 0:
             err = (proc.stderr.strip().splitlines() or ["?"])[-1][:160]
             row = {"model": name, "input": size, "b0": b0, "error": err,
                    "seconds": time.perf_counter() - t}
@@ -81,10 +91,10 @@ def main(argv=None) -> int:
             row = json.loads(proc.stdout.strip().splitlines()[-1])
         rows.append(row)
         print(_line(row), flush=True)
-    text = _markdown(rows, args)
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    with open(args.output, "w") as f:
-        f.write(text)
+        # written after every model: a long run stopped part way keeps what it measured
+        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+        with open(args.output, "w") as f:
+            f.write(_markdown(rows, args))
     print(f"wrote {args.output}")
     return 0
 
