@@ -297,3 +297,45 @@ def test_invalid_plan_and_mismatched_op_map_are_refused():
         rewrite(ex.traced, g, other, plan)
     with pytest.raises(ValueError, match="chain"):
         rewrite(ex.traced, g, ex.op_map, plan, chain="sometimes")
+
+
+def test_float64_recomputing_step_is_exact():
+    """In float64 rounding shrinks by ~1e9, so a rewritten step that computes the same function
+    must agree with the original to ~1e-12, fusions and summation order notwithstanding; a
+    copy reading a wrong value (an updated weight, another dropout mask, a stale copy) would
+    not. This separates rounding from error where float32 (``close``) cannot: deep models at
+    initialization amplify float32 rounding to 1e-2 of the largest gradient (ResNet50,
+    benchmarks/results/gradients.md)."""
+    from tf_remat.extract import extract
+    from tf_remat.rewrite import rewrite
+
+    # the loss takes floatx when compiled, the layers the dtype policy
+    keras.config.set_floatx("float64")
+    keras.config.set_dtype_policy("float64")
+    try:
+        keras.utils.set_random_seed(3)
+        model, xs, ys = skip_cnn(batch=16, hw=16)
+    finally:
+        keras.config.set_floatx("float32")
+        keras.config.set_dtype_policy("float32")
+    xs = tf.TensorSpec(xs.shape, tf.float64)
+    for apply_updates in (False, True):
+        ex = extract(model, input_spec=xs, label_spec=ys, cost_model="flops", verbose=0,
+                     apply_updates=apply_updates)
+        plan = plan_for(ex, 0.6)
+        counts = simulate(ex.graph, plan.steps).compute_counts
+        assert plan.within_budget and max(counts) > 1
+        step = rewrite(ex.traced, ex.graph, ex.op_map, plan)
+        rng = np.random.default_rng(0)
+        x = tf.constant(rng.standard_normal(xs.shape))
+        y = tf.constant(rng.integers(0, 10, ys.shape).astype("int32"))
+        o1, o2, v1, v2, before = run_both(ex, step, x, y)
+        o1, o2 = (list(o) if isinstance(o, (list, tuple)) else [o] for o in (o1, o2))
+        assert o1[0].dtype == np.float64
+        assert abs(o1[0] - o2[0]) <= 1e-12 * abs(o1[0])
+        if len(o1) > 1:
+            scale = max(float(np.abs(g).max()) for g in o1[1:])
+            err = max(float(np.abs(a - b).max()) for a, b in zip(o1[1:], o2[1:]))
+            assert err <= 1e-10 * scale, err / scale
+        for a, b in zip(v1, v2):
+            assert np.allclose(a, b, rtol=1e-10, atol=1e-12 * max(1.0, float(np.abs(a).max())))
