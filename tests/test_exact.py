@@ -161,7 +161,9 @@ def test_moccasin_reaches_published_optimum_on_bundled_graph():
     from tf_remat.demo import bundled_graph_path
 
     g = Graph.load(bundled_graph_path())
-    p = solve(g, int(0.9 * g.no_remat_peak), "moccasin", time_limit=5)
+    # about a second on an idle machine (benchmarks/results/solvers.md); the limit is generous
+    # because this asserts the plan's quality, not the speed, and CI machines are shared
+    p = solve(g, int(0.9 * g.no_remat_peak), "moccasin", time_limit=30)
     assert p.within_budget and p.overhead <= 0.0080
 
 
