@@ -45,21 +45,23 @@ gref = trace_training_step(model, xs, ys, apply_updates=False)
 x, y = _synthetic_batch(xs, ys)
 snap = [np.array(v.numpy(), copy=True) for v in gref.variables]
 
-def restore():
-    for v, s in zip(gref.variables, snap):
+def grads(fn, xin=None, variables=None, saved=None):
+    # gradients of one call (the step returns loss, *gradients); variables restored after
+    out = [t.numpy() for t in fn(x if xin is None else xin, y)]
+    for v, s in zip(variables or gref.variables, saved or snap):
         v.assign(s)
+    return out[1:]
 
-def grads(fn):
-    out = [t.numpy() for t in fn(x, y)]
-    restore()
-    return out[1:]   # (loss, *gradients)
+def extracted(m, spec, run):
+    # the gradients-only graph of m and the gradients of its checkpoint-all rewrite
+    e = extract(m, input_spec=spec, label_spec=ys, cost_model="flops", verbose=0,
+                apply_updates=False)
+    full = solve_isolated(e.graph, e.graph.no_remat_peak, "checkpoint-all")
+    return e, run(rewrite(e.traced, e.graph, e.op_map, full))
 
 plain = grads(gref.function)
-ex = extract(model, input_spec=xs, label_spec=ys, cost_model="flops", verbose=0,
-             apply_updates=False)
+ex, all_ = extracted(model, xs, grads)
 g = ex.graph
-p_all = solve_isolated(g, g.no_remat_peak, "checkpoint-all")
-all_ = grads(rewrite(ex.traced, g, ex.op_map, p_all))
 # the fraction applies to what rematerialization can change (above weights and batch)
 # a higher fraction when the solver finds nothing at the first within the time limit
 for f in (frac, 0.85, 0.95):
@@ -109,17 +111,11 @@ x64 = tf.cast(x, tf.float64)
 snap64 = [np.array(v.numpy(), copy=True) for v in g64ref.variables]
 
 def grads64(fn):
-    out = [t.numpy() for t in fn(x64, y)]
-    for v, s in zip(g64ref.variables, snap64):
-        v.assign(s)
-    return out[1:]
+    return grads(fn, x64, g64ref.variables, snap64)
 
 plain64 = grads64(g64ref.function)
-ex64 = extract(m64b, input_spec=xs64, label_spec=ys, cost_model="flops", verbose=0,
-               apply_updates=False)
+ex64, all64 = extracted(m64b, xs64, grads64)
 G = ex64.graph
-q_all = solve_isolated(G, G.no_remat_peak, "checkpoint-all")
-all64 = grads64(rewrite(ex64.traced, G, ex64.op_map, q_all))
 q = solve_isolated(G, G.fixed_memory + int(used_frac * (G.no_remat_peak - G.fixed_memory)),
                    strategy, time_limit=limit)
 rem64 = grads64(rewrite(ex64.traced, G, ex64.op_map, q)) if q.within_budget else None

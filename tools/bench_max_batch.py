@@ -132,7 +132,7 @@ def _markdown(rows, args):
         out.append(f"| {r['model']} | {r['input']} | {r['b0']} | {_mib(r['budget'])} | "
                    f"{r['plain']} | {r['remat']} | {ratio} | {r['probes']} | "
                    f"{r['seconds']:.0f} |")
-    out += ["", "Device: " + ", ".join(sorted({r.get("device", "?") for r in rows})) + ".", ""]
+    out += ["", "Device: " + ", ".join(sorted({r["device"] for r in rows if "device" in r} or {"?"})) + ".", ""]
     return "\n".join(out)
 
 
