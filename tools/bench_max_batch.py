@@ -45,7 +45,7 @@ name, size, b0, top, strategy, limit = sys.argv[1:7]
 b0, top, limit = int(b0), int(top), float(limit)
 build = load_builder(name, input_size=size)
 t = time.perf_counter()
-# the largest of three measurements (one step's peak moves by up to ~15% run to run), plus 2%,
+# the largest of three measurements (one step's peak moves by up to ~25% run to run), plus 2%,
 # so that the plain search's own measurement at b0 fits and the plain batch is not understated
 ref = max(_probe(build, b0, 1 << 62, remat=False, strategy=strategy, time_limit=limit,
                  verbose=0, cost_model="flops")[0] for _ in range(3))
@@ -63,7 +63,7 @@ def main(argv=None) -> int:
     ap.add_argument("--models", nargs="+", help="default: " + " ".join(m[0] for m in MODELS))
     ap.add_argument("--strategy", default="auto")
     ap.add_argument("--time-limit", type=float, default=20.0, help="seconds per solve")
-    ap.add_argument("--model-timeout", type=float, default=900.0,
+    ap.add_argument("--model-timeout", type=float, default=1200.0,
                     help="seconds for one model's whole search (a model over it is reported as "
                          "timed out)")
     ap.add_argument("-o", "--output", default=os.path.join(ROOT, "benchmarks", "results",
@@ -81,16 +81,10 @@ def main(argv=None) -> int:
             proc = subprocess.run(cmd, capture_output=True, text=True, env=env,
                                   timeout=args.model_timeout)
         except subprocess.TimeoutExpired:
-            proc = None
-        if proc is None:
             row = {"model": name, "input": size, "b0": b0, "seconds": time.perf_counter() - t,
                    "error": f"search not finished in {args.model_timeout:g} s"}
-        elif proc.returncode != 0:
-            err = (proc.stderr.strip().splitlines() or ["?"])[-1][:160]
-            row = {"model": name, "input": size, "b0": b0, "error": err,
-                   "seconds": time.perf_counter() - t}
         else:
-            row = json.loads(proc.stdout.strip().splitlines()[-1])
+            row = _row(proc, name, size, b0, time.perf_counter() - t)
         rows.append(row)
         print(_line(row), flush=True)
         # written after every model: a long run stopped part way keeps what it measured
@@ -99,6 +93,14 @@ def main(argv=None) -> int:
             f.write(_markdown(rows, args))
     print(f"wrote {args.output}")
     return 0
+
+
+def _row(proc, name, size, b0, seconds):
+    """The child's JSON line, or an error row with its last stderr line."""
+    if proc.returncode != 0:
+        err = (proc.stderr.strip().splitlines() or ["?"])[-1][:160]
+        return {"model": name, "input": size, "b0": b0, "error": err, "seconds": seconds}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def _mib(b):
@@ -119,8 +121,9 @@ def _markdown(rows, args):
            f"{args.time_limit:g}` on {platform.machine()}, {os.cpu_count()} cores "
            f"(shared with other jobs while it ran; sizes are memory facts, not timings).", "",
            "Budget: 1.02x the largest of three measured peaks of the plain step at batch b0. "
-           "Every size below was confirmed by running the step and reading TensorFlow's allocator peak "
-           "(`get_memory_info`) within the budget. Costs for the solver: `flops`.", "",
+           "Every size below was confirmed by running the step and reading TensorFlow's "
+           "allocator peak (`get_memory_info`) within the budget. Costs for the solver: "
+           "`flops`.", "",
            "| model | input | b0 | budget MiB | plain batch | remat batch | ratio | probes "
            "| search s |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -132,7 +135,8 @@ def _markdown(rows, args):
         out.append(f"| {r['model']} | {r['input']} | {r['b0']} | {_mib(r['budget'])} | "
                    f"{r['plain']} | {r['remat']} | {ratio} | {r['probes']} | "
                    f"{r['seconds']:.0f} |")
-    out += ["", "Device: " + ", ".join(sorted({r["device"] for r in rows if "device" in r} or {"?"})) + ".", ""]
+    devices = {r["device"] for r in rows if "device" in r} or {"?"}
+    out += ["", "Device: " + ", ".join(sorted(devices)) + ".", ""]
     return "\n".join(out)
 
 
