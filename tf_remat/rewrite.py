@@ -134,6 +134,7 @@ def build_graph_def(traced, op_map, sequence, *, chain: str = "op"):
         raise ValueError(f"chain must be 'op', 'node' or 'none', got {chain!r}")
     src = traced.graph_def
     by_name = {nd.name: nd for nd in src.node}
+    op_of = traced.function.graph.get_operation_by_name
     node_of = op_map.node_of()
     drop = set(op_map.sink_ops) | set(op_map.dead_ops)
     bypass = op_map.bypass_ops
@@ -209,7 +210,10 @@ def build_graph_def(traced, op_map, sequence, *, chain: str = "op"):
     prev_tail = []            # chain: ops the next emitted ops must follow
     emitted = 0
     chain_edges = 0
+    fused_pairs = 0
     in_node_sets = {}
+    markers = {}              # chained op -> the op that stands for it in control edges
+    partners = {}             # per node: op -> the op it is fused with (both directions)
     for v in sequence:
         ops = op_map.nodes[v]
         k = count[v]
@@ -228,25 +232,46 @@ def build_graph_def(traced, op_map, sequence, *, chain: str = "op"):
             in_node_sets[v] = ([o for o in ops if o not in fed],
                                [o for o in ops if o not in consumed])
         heads, tails = in_node_sets[v]
+        partner = partners.get(v)
+        if partner is None:
+            partner = partners[v] = _fusion_partners(ops, by_name, parse)
+        members = set(ops)
+        tail_before = {}
         for o in ops:
             nd = by_name[o]
             c = out.node.add()
             c.CopyFrom(nd)
             c.name = copy_name(o, k)
             ins = [r for r in (resolve(i, v, k) for i in nd.input) if r is not None]
-            if chain == "op" and prev_tail:
-                ins += ["^" + t for t in prev_tail]
-                chain_edges += len(prev_tail)
-            elif chain == "node" and o in heads and prev_tail:
-                ins += ["^" + t for t in prev_tail]
-                chain_edges += len(prev_tail)
+            after = prev_tail
+            if chain == "op" and o in partner and partner[o] in tail_before:
+                # the second op of a pair the runtime fuses follows what its partner follows:
+                # an edge between them (or an op ordered between them) keeps oneDNN from
+                # fusing the pair, or makes a cycle once it does
+                after = tail_before[partner[o]]
+                fused_pairs += 1
+            tail_before[o] = after
+            if (chain == "op" and after) or (chain == "node" and o in heads and after):
+                # an op that already reads a tensor of the op it follows needs no control
+                # edge; a redundant edge also stops Grappler's remapper from fusing the two
+                data_from = {r.split(":")[0] for r in ins if not r.startswith("^")}
+                extra = [t for t in after if t not in data_from]
+                if extra and chain == "op":
+                    ins = _gate(out, c.name, ins, [_marker(out, t, markers, op_of) for t in extra],
+                                op_of(o), lambda r: parse(r)[0].split(_COPY)[0] in members)
+                else:
+                    ins += ["^" + t for t in extra]
+                chain_edges += len(extra)
             del c.input[:]
             c.input.extend(_dedup(ins))
             if "_class" in c.attr:
                 del c.attr["_class"]
             emitted += 1
             if chain == "op":
-                prev_tail = [c.name]
+                if after is prev_tail:
+                    prev_tail = [c.name]
+                else:
+                    prev_tail = prev_tail + [c.name]
         if chain == "node":
             prev_tail = [copy_name(o, k) for o in tails]
         current[v] = k
@@ -267,6 +292,7 @@ def build_graph_def(traced, op_map, sequence, *, chain: str = "op"):
     info = {"node_ops": sum(len(o) for o in op_map.nodes), "ops_emitted": emitted,
             "recomputed_ops": emitted - sum(len(o) for o in op_map.nodes),
             "fixed_ops": len(fixed), "chain": chain, "chain_edges": chain_edges,
+            "fused_pairs": fused_pairs,
             "tails": list(prev_tail)}
     return out, outputs, prev_tail, info
 
@@ -294,6 +320,70 @@ def _import(traced, gd, outputs, tails):
             return [tf.identity(t) for t in outs]
 
     return tf.compat.v1.wrap_function(body, signature=arg_specs)
+
+
+def _marker(out, tail, markers, op_of):
+    """What a control edge from the chained op ``tail`` leaves from: an ``Identity`` reading its
+    first output, or the op itself when it has none. Grappler's remapper fuses no op that has a
+    control fanout, so an op ending a fusable pattern (Conv2D + BiasAdd + Relu) must not be the
+    source of the chain's edge; the Identity allocates nothing (it forwards the buffer) and runs
+    as soon as ``tail`` has."""
+    m = markers.get(tail)
+    if m is None:
+        op = op_of(tail.split(_COPY)[0])
+        m = tail
+        if op.outputs:
+            nd = out.node.add()
+            nd.name = tail + "/_done"
+            nd.op = "Identity"
+            nd.attr["T"].type = op.outputs[0].dtype.as_datatype_enum
+            nd.input.append(tail)
+            m = nd.name
+        markers[tail] = m
+    return m
+
+
+def _gate(out, name, ins, deps, op, internal):
+    """Order op ``name`` after ``deps`` through an ``Identity`` on one of its data inputs (one
+    produced outside its node) carrying the control edges, instead of control edges on the op
+    itself: the remapper fuses no op with a control fanin (a Conv2D and its BiasAdd then run
+    unfused, slower and with one more buffer). Returns the new input list."""
+    data = [r for r in ins if not r.startswith("^")]
+    j = next((i for i, r in enumerate(data) if not internal(r)), None)
+    if j is None or j >= len(op.inputs):
+        return ins + ["^" + d for d in deps]
+    g = out.node.add()
+    g.name = name + "/_gate"
+    g.op = "Identity"
+    g.attr["T"].type = op.inputs[j].dtype.as_datatype_enum
+    g.input.extend([data[j]] + ["^" + d for d in deps])
+    ins = list(ins)
+    ins[ins.index(data[j])] = g.name
+    return ins
+
+
+def _fusion_partners(ops, by_name, parse):
+    """Pairs of sibling ops of one node that the runtime fuses into one kernel although neither
+    reads the other: a weight gradient (Conv2DBackpropFilter, MatMul) and the BiasAddGrad of the
+    same output gradient (oneDNN's ``_MklConv2DBackpropFilterWithBias``). ``{op: partner}``."""
+    from tf_remat.extract import WEIGHT_GRAD_OPS
+
+    found = {}
+    readers = {}
+    for o in ops:
+        nd = by_name[o]
+        if nd.op in WEIGHT_GRAD_OPS:
+            for r in nd.input:
+                if not r.startswith("^"):
+                    readers.setdefault(parse(r), []).append(o)
+    for o in ops:
+        nd = by_name[o]
+        if nd.op == "BiasAddGrad" and nd.input:
+            for p in readers.get(parse(nd.input[0]), []):
+                if p not in found:
+                    found[o], found[p] = p, o
+                    break
+    return found
 
 
 def _out_dtype(nd):
