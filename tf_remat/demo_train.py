@@ -6,8 +6,9 @@ Steps (all on synthetic data, on this machine's device):
    head) and its plain Keras training step; the plain step's **measured** peak (TensorFlow's
    allocator: ``reset_memory_stats`` / ``get_memory_info``) and step time;
 2. a budget: a fraction of that measured peak (default 60%; batch 128 by default because
-   TensorFlow's allocator adds up to ~25% to a step's peak from run to run (see the README),
-   and at batch 64 the smallest plan's worst run sits right at 60%);
+   TensorFlow's allocator adds up to ~25% to a step's peak depending on what was allocated
+   before it (see the README), and at batch 64 the smallest plan's worst layout sits right at
+   60%);
 3. :func:`tf_remat.optimize`: extract, solve, rewrite, verify;
 4. the rewritten step's measured peak and step time (runs interleaved with the plain step);
 5. a gradient check: ``step.gradients`` against the plain step's gradients on the same batch
