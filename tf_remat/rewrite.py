@@ -9,10 +9,16 @@ The traced step's op graph (``TracedStep.graph_def``) is copied into a new Graph
   keeps the original op names, the k-th recomputation gets fresh copies named
   ``<op>/_remat<k>``. Every input is rewired to the *current* copy of its producer (the newest
   copy computed before this point), which is the simulator's rule (:mod:`tf_remat.plan`);
-* every emitted op gets a control input on the op emitted before it (the *chain*), so the
-  executor runs the ops exactly in plan order. Without the chain TensorFlow runs a copy as soon
-  as its inputs exist (and Grappler's common-subexpression pass merges the copies back), so
-  nothing is saved;
+* every emitted op runs after the op emitted before it (the *chain*), so the executor runs the
+  ops exactly in plan order. Without the chain TensorFlow runs a copy as soon as its inputs
+  exist (and Grappler's common-subexpression pass merges the copies back), so nothing is saved.
+  An op that reads its predecessor needs no edge. Otherwise the edge leaves the predecessor
+  through an ``Identity`` reading it (``/_done``) and reaches the op through an ``Identity`` on
+  one of its inputs from outside its node (``/_gate``), never touching either op: Grappler's
+  remapper fuses no Conv2D / MatMul, BiasAdd or activation that has a control edge, and a
+  chain of plain control edges left ResNet50's step with 15 unfused Conv2D + BiasAdd pairs.
+  A weight gradient and the BiasAddGrad of the same output gradient (which oneDNN fuses) both
+  follow the same predecessor, so nothing is ordered between them;
 * shape ops that read a batch tensor (``OpMap.static_shapes``) become constants, Keras's
   gradient ``IdentityN`` barrier is bypassed (``OpMap.bypass_ops``), dead ops and the original
   side-effect sink are left out (a chained dead op would be kept alive), and the outputs get a
