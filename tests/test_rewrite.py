@@ -350,14 +350,15 @@ def test_chain_keeps_the_kernel_fusions_of_the_original_step():
                  label_spec=tf.TensorSpec((8,), tf.int32), cost_model="flops", verbose=0)
     x, y = batch_for(ex)
     plain = _executed_op_types(ex.traced.function, x, y, ex.traced.variables)
-    for frac, strategy in ((1.0, "checkpoint-all"), (0.7, "linearized-greedy")):
+    for frac, strategy, chain in ((1.0, "checkpoint-all", "op"), (0.7, "linearized-greedy", "op"),
+                                  (0.7, "linearized-greedy", "node")):
         plan = plan_for(ex, frac, strategy)
-        step = rewrite(ex.traced, ex.graph, ex.op_map, plan)
+        step = rewrite(ex.traced, ex.graph, ex.op_map, plan, chain=chain)
         new = _executed_op_types(step.function, x, y, ex.traced.variables)
         for t in ("BiasAdd", "BiasAddGrad", "Relu", "Conv2D", "MatMul"):
-            assert new.get(t, 0) <= plain.get(t, 0), (strategy, t, plain, new)
+            assert new.get(t, 0) <= plain.get(t, 0), (strategy, chain, t, plain, new)
         fused = [t for t in plain if "Fused" in t or "WithBias" in t]
-        assert fused and all(new.get(t, 0) >= plain[t] for t in fused), (strategy, plain, new)
+        assert fused and all(new.get(t, 0) >= plain[t] for t in fused), (chain, plain, new)
 
 
 def test_invalid_plan_and_mismatched_op_map_are_refused():

@@ -262,7 +262,7 @@ def build_graph_def(traced, op_map, sequence, *, chain: str = "op"):
                 # edge; a redundant edge also stops Grappler's remapper from fusing the two
                 data_from = {r.split(":")[0] for r in ins if not r.startswith("^")}
                 extra = [t for t in after if t not in data_from]
-                if extra and chain == "op":
+                if extra:
                     ins = _gate(out, c.name, ins, [_marker(out, t, markers, op_of) for t in extra],
                                 op_of(o), lambda r: parse(r)[0].split(_COPY)[0] in members)
                 else:
