@@ -246,24 +246,16 @@ def measured_peak_layouts(ex, fractions=(0.0, 0.3, 0.6, 1.0, 1.4)):
     others, while runs in one history are identical. Each ballast is another history; the lowest
     peak is the one without that rounding, the figure the simulator models.
     """
+    from tf_remat.api import measure_step_peak
     from tf_remat.extract import _random_like
 
     x = _random_like(ex.traced.input_spec, seed=1)
     y = _random_like(ex.traced.label_spec, seed=2, labels=10)
-    fn = ex.traced.function
     big = max(ex.graph.memory)
-    peaks = []
-    for f in fractions:
-        hold = tf.fill([max(1, int(f * big) // 4)], 1.0) if f else None
-        fn(x, y)
-        tf.config.experimental.reset_memory_stats("CPU:0")
-        before = tf.config.experimental.get_memory_info("CPU:0")["current"]
-        out = fn(x, y)
-        out.numpy()
-        del out
-        peaks.append(tf.config.experimental.get_memory_info("CPU:0")["peak"] - before)
-        del hold
-    return peaks
+    m = measure_step_peak(ex.traced.function, x, y, variables=ex.traced.variables,
+                          ballast=[int(f * big) for f in fractions])
+    # the step's own growth: without its variables and batch, which the caller adds back
+    return [p - m["owned_bytes"] for p in m["layouts"]]
 
 
 @pytest.mark.skipif(bool(tf.config.list_logical_devices("GPU")), reason="CPU memory model")
