@@ -50,7 +50,7 @@ FRACTIONS = (0.9, 0.7, 0.5)
 MIB = 2**20
 
 
-def run_case(name, batch, size, fractions, strategy, time_limit, runs):
+def run_case(name, batch, size, fractions, strategy, time_limit, runs, trace=True):
     """One model (in this process): baseline, then one row per budget fraction."""
     import numpy as np
     import tensorflow as tf
@@ -75,6 +75,7 @@ def run_case(name, batch, size, fractions, strategy, time_limit, runs):
                             list(gref.variables)}.values()))
     g_ref = [t.numpy() for t in gref.function(x, y)]
     state.restore()
+    floor = None  # the plain step in a static order: no recomputation, the same chain
     for frac in fractions:
         budget = int(frac * base)
         row = {"fraction": frac, "budget": budget}
@@ -106,9 +107,17 @@ def run_case(name, batch, size, fractions, strategy, time_limit, runs):
         row["peaks"] = peaks
         row["measured_peak"] = int(statistics.median(peaks))
         row["measured_peak_max"] = max(peaks)
-        tb, tr = _interleaved_times(ref.function, step, x, y, state, runs)
-        row["t_plain"], row["t_remat"] = tb, tr
+        if floor is None:
+            floor = _static_order_step(step)
+        times = _interleaved_times({"plain": ref.function, "static": floor, "remat": step},
+                                   x, y, state, runs)
+        tb, ts, tr = times["plain"], times["static"], times["remat"]
+        row["t_plain"], row["t_static"], row["t_remat"] = tb, ts, tr
         row["measured_overhead"] = tr / tb - 1
+        row["static_overhead"] = ts / tb - 1
+        row["recompute_overhead"] = tr / ts - 1
+        if trace:
+            row.update(_copy_kernel_share(floor, step, x, y, state))
         try:
             g_new = [t.numpy() for t in step.gradients(x, y)]
             state.restore()
@@ -171,7 +180,84 @@ def _batch(xs, ys, model):
             tf.nest.map_structure(lambda s: make(s, True), ys))
 
 
-def _interleaved_times(plain, step, x, y, state, runs):
+def _static_order_step(step):
+    """The step's graph rewritten with no recomputation, in topological order, chained like
+    ``optimize``'s steps: what running a static order costs by itself."""
+    from tf_remat.plan import make_plan
+    from tf_remat.rewrite import rewrite
+    from tf_remat.solvers.baselines import checkpoint_all
+
+    ex = step._primary().extraction
+    budget = 2**62
+    plan = make_plan(ex.graph, checkpoint_all(ex.graph, budget), budget,
+                     strategy="checkpoint-all")
+    return rewrite(ex.traced, ex.graph, ex.op_map, plan, chain=step._opts["chain"])
+
+
+def _kernel_seconds(fn, x, y, state, reps=3):
+    """Seconds per step each op's kernels ran, from a ``tf.profiler`` trace of ``fn``.
+
+    Host-side events named ``op:OpType`` (the CPU kernels; on a GPU they time the launches,
+    not the kernels)."""
+    import glob
+    import shutil
+    import tempfile
+
+    import tensorflow as tf
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    for _ in range(2):
+        fn(x, y)
+        state.restore()
+    logdir = tempfile.mkdtemp(prefix="tf_remat_trace_")
+    try:
+        tf.profiler.experimental.start(logdir)
+        try:
+            for _ in range(reps):
+                for o in tf.nest.flatten(fn(x, y)):
+                    o.numpy()
+                state.restore()
+        finally:
+            tf.profiler.experimental.stop()
+        space = xplane_pb2.XSpace()
+        with open(glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)[0],
+                  "rb") as f:
+            space.ParseFromString(f.read())
+    finally:
+        shutil.rmtree(logdir, ignore_errors=True)
+    ops = {}
+    for plane in space.planes:
+        meta = {k: v.name for k, v in plane.event_metadata.items()}
+        for line in plane.lines:
+            for e in line.events:
+                name, _, kind = meta.get(e.metadata_id, "").partition(":")
+                if not kind or not name or name.startswith("__inference"):
+                    continue
+                # the rewritten steps run inside a function named "remat"
+                name = name[len("remat/"):] if name.startswith("remat/") else name
+                ops[name] = ops.get(name, 0.0) + e.duration_ps * 1e-12 / reps
+    return ops
+
+
+def _copy_kernel_share(floor, step, x, y, state):
+    """The recomputed copies' kernel time in the rewritten step, over the kernel time of the
+    graph's ops in the static-order step: the recomputation's cost where the step runs it,
+    free of the runtime's scheduling and of this machine's load."""
+    from tf_remat.rewrite import _COPY
+
+    names = {o for ops in step._primary().extraction.op_map.nodes for o in ops}
+    base = sum(t for o, t in _kernel_seconds(floor, x, y, state).items() if o in names)
+    copies = sum(t for o, t in _kernel_seconds(step, x, y, state).items()
+                 if _COPY in o and o.split(_COPY)[0] in names)
+    return {"kernel_seconds": base, "copy_kernel_seconds": copies,
+            "copy_kernel_share": copies / base if base else None}
+
+
+def _interleaved_times(fns, x, y, state, runs):
+    """Median seconds per step of each of ``fns``, in a shuffled order in every round, so that
+    the bursts of load on this shared machine do not fall on one step in every round."""
+    import random
+
     import tensorflow as tf
 
     def once(fn):
@@ -183,13 +269,16 @@ def _interleaved_times(plain, step, x, y, state, runs):
         state.restore()
         return dt
 
-    once(plain)
-    once(step)
-    a, b = [], []
+    for fn in fns.values():
+        once(fn)
+    rng = random.Random(0)
+    times = {k: [] for k in fns}
     for _ in range(runs):
-        a.append(once(plain))
-        b.append(once(step))
-    return statistics.median(a), statistics.median(b)
+        keys = list(fns)
+        rng.shuffle(keys)
+        for k in keys:
+            times[k].append(once(fns[k]))
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def _emit(row, name):
@@ -202,12 +291,13 @@ def _emit(row, name):
 def table(results) -> str:
     lines = ["| model | batch | plain peak MiB | budget | budget MiB | status | simulated MiB | "
              "measured MiB | meas/budget | meas vs sim | overhead pred | overhead meas | "
-             "diff (pts) | grad err | attempts |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "diff (pts) | static order | recompute meas | copies' kernels | grad err | "
+             "attempts |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for res in results:
         if "error" in res:
             lines.append(f"| {res['model']} | {res['batch']} | error: {res['error'][:120]} |"
-                         + " |" * 12)
+                         + " |" * 15)
             continue
         for r in res["rows"]:
             head = (f"| {res['model']} | {res['batch']} | {res['baseline_peak'] / MIB:.0f} | "
@@ -215,12 +305,13 @@ def table(results) -> str:
             if r.get("status") in ("infeasible", "error"):
                 extra = (f"smallest reachable {r['min_feasible'] / MIB:.0f} MiB"
                          if r.get("min_feasible") else r.get("message", "")[:80])
-                lines.append(f"{head} {r['status']} ({extra}) |" + " |" * 9)
+                lines.append(f"{head} {r['status']} ({extra}) |" + " |" * 12)
                 continue
             sim, meas = r["predicted_peak_bytes"], r["measured_peak"]
             within = r["measured_peak_max"] <= 1.05 * r["budget"]
             close = abs(meas - sim) <= 0.10 * sim
             dpts = 100 * (r["measured_overhead"] - r["predicted_overhead"])
+            share = r.get("copy_kernel_share")
             grad = r.get("grad_err")
             lines.append(
                 f"{head} {r['status']} | {sim / MIB:.0f} | {meas / MIB:.0f} | "
@@ -228,6 +319,8 @@ def table(results) -> str:
                 f"{100 * (meas / sim - 1):+.1f}%{'' if close else ' **miss**'} | "
                 f"{100 * r['predicted_overhead']:.1f}% | {100 * r['measured_overhead']:.1f}% | "
                 f"{dpts:+.1f}{'' if abs(dpts) <= 10 else ' **miss**'} | "
+                f"{100 * r['static_overhead']:+.1f}% | {100 * r['recompute_overhead']:.1f}% | "
+                f"{'n/a' if share is None else f'{100 * share:.1f}%'} | "
                 f"{'n/a' if grad is None else f'{grad:.1e}'} | {r['attempts']} |")
     return "\n".join(lines)
 
@@ -243,8 +336,16 @@ NOTES = """\
   NumPy between them). `optimize` verifies each plan beside ballasts of 0, 0.6 and 1.0 times
   the largest value (three allocator layouts) and re-solves with a lower budget while the worst
   is over the budget less 3% (**attempts** counts the solves).
-* **overhead pred**: plan cost / sum of node costs - 1 with profiled costs; **meas**: median step
-  time of the rewritten step over the plain step's - 1 (runs interleaved).
+* **overhead pred**: plan cost / sum of node costs - 1 with profiled costs (what the solver
+  minimizes: the recomputation); **meas**: median step time of the rewritten step over the plain
+  step's - 1. **static order**: the same step rewritten with no recomputation, in topological
+  order and chained as `optimize` chains (the price of running any static order: TensorFlow no
+  longer runs independent ops side by side), over the plain step; **recompute meas**: the
+  rewritten step over that static-order step, the part the prediction models. The three steps
+  run in a shuffled order in each of `--runs` rounds (median per step). **copies' kernels**:
+  from a `tf.profiler` trace (3 steps each), the kernel time of the recomputed copies in the
+  rewritten step over the kernel time of the graph's ops in the static-order step: what the
+  recomputation costs where the step runs it, apart from scheduling and this machine's load.
 * **grad err**: max |g_rewritten - g_plain| over every gradient, divided by the largest gradient
   value (float32 reassociation: ~1e-7 .. 1e-5 expected).
 * Targets: measured peak within the budget (5% slack) and within 10% of simulated; measured
@@ -263,6 +364,8 @@ def main(argv=None):
                    help="default: auto when registered, else moccasin")
     p.add_argument("--time-limit", type=float, default=60.0)
     p.add_argument("--runs", type=int, default=7, help="timed runs per step")
+    p.add_argument("--no-trace", action="store_true",
+                   help="skip the tf.profiler trace of the copies' kernel time")
     p.add_argument("-o", "--output", default=os.path.join(ROOT, "benchmarks", "results",
                                                           "rewrite.md"))
     p.add_argument("--json", default=None, help="also write raw results (JSON lines)")
@@ -272,7 +375,8 @@ def main(argv=None):
     strategy = args.strategy or _default_strategy()
     if args.case:
         name, batch, size = json.loads(args.case)
-        res = run_case(name, batch, size, fractions, strategy, args.time_limit, args.runs)
+        res = run_case(name, batch, size, fractions, strategy, args.time_limit, args.runs,
+                       trace=not args.no_trace)
         print("RESULT " + json.dumps(res), flush=True)
         return 0
     cases = [c for c in DEFAULT_CASES if args.models is None or c[0] in args.models]
@@ -287,7 +391,7 @@ def main(argv=None):
         cmd = [sys.executable, os.path.abspath(__file__), "--case",
                json.dumps([name, batch, size]), "--fractions", args.fractions,
                "--strategy", strategy, "--time-limit", str(args.time_limit),
-               "--runs", str(args.runs)]
+               "--runs", str(args.runs)] + (["--no-trace"] if args.no_trace else [])
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
         res = None
         for line in proc.stdout.splitlines():
