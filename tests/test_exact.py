@@ -17,6 +17,7 @@ from tf_remat.errors import StrategyError
 from tf_remat.generators import linear_graph, random_dag, random_layered_graph
 from tf_remat.graph import Graph
 from tf_remat.plan import simulate, steps_from_sequence
+from tf_remat.solvers._staged import sequence_from_stages
 from tf_remat.solvers import solve
 
 EXACT = ["checkmate-milp", "moccasin"]
@@ -155,6 +156,79 @@ def test_time_limit_is_honoured_with_a_feasible_plan_and_a_bound():
         assert p.within_budget and p.status in ("feasible", "optimal")
         if p.status == "optimal":
             assert p.lower_bound is not None
+
+
+def test_time_limit_is_strict_on_a_model_highs_cannot_finish():
+    # about 1.1M nonzeros: HiGHS's presolve and root LP run for seconds without looking at the
+    # clock, so the solve runs in a child process that is killed at the deadline
+    g = random_layered_graph(200, seed=7)
+    budget = int(0.8 * g.no_remat_peak)
+    for s in ("checkmate-milp", "checkmate-lp-rounding"):
+        start = time.perf_counter()
+        p = run_strategy_test(s, g, budget, time_limit=2, check_seed=False)
+        took = time.perf_counter() - start
+        assert took < 2 + 1.5, (s, took, p.info)
+        assert p.within_budget and p.status in ("feasible", "optimal"), (s, p.status)
+
+
+def test_highs_worker_is_killed_at_the_deadline_and_keeps_incumbents():
+    from tf_remat.solvers._highs_worker import HighsWorker
+    from tf_remat.solvers._staged import Deadline, Positions, staged_hints
+    from tf_remat.solvers.checkmate import CheckmateModel
+
+    class Deaf(HighsWorker):
+        # the child is told it has 60 s more than it has: it never stops by itself, as HiGHS
+        # does not in presolve or the root LP of a big model
+        def _send(self, msg):
+            if msg.get("end") is not None:
+                msg = dict(msg, end=msg["end"] + 60)
+            super()._send(msg)
+
+    g = random_layered_graph(40, seed=3)  # HiGHS takes seconds to prove this one optimal
+    budget = int(0.8 * g.no_remat_peak)
+    P = Positions(g)
+    warm = staged_hints(g, P, budget, baselines=False, gap_limit=0.5)[0][3]
+    seen = []
+    with Deaf(g, P.order, budget) as w:
+        start = time.perf_counter()
+        res = w.solve(integral=True, deadline=Deadline(2.0), warm=warm, total=g.total_cost,
+                      model=CheckmateModel(P, budget), progress=lambda **k: seen.append(k))
+        took = time.perf_counter() - start
+        assert took < 2.0 + 0.5, took
+        if res["status"] == "optimal":  # a very fast machine: nothing left to test
+            return
+        assert res["status"] == "timeout" and res["info"]["isolated"] is True
+        assert res["info"]["highs_status"] == "killed at the time limit"
+        # the incumbents streamed before the kill are kept: a plan of this graph in budget
+        assert res["stages"] is not None and any(e["cost"] is not None for e in seen)
+        seq = sequence_from_stages(P, res["stages"])
+        sim = simulate(g, steps_from_sequence(g, seq))
+        assert sim.peak_memory <= budget
+        assert res["bound"] is None or res["bound"] <= res["objective"]
+        # and a later solve on the killed child says so at once
+        again = w.solve(integral=False, deadline=Deadline(5))
+        assert again["s"] is None and again["info"]["highs_status"] == "not run"
+
+
+def test_checkmate_falls_back_to_first_plan_when_highs_child_dies(monkeypatch):
+    import signal
+
+    from tf_remat.solvers import checkmate
+    from tf_remat.solvers._highs_worker import HighsWorker
+
+    class Dying(HighsWorker):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            self.proc.send_signal(signal.SIGKILL)  # what the kernel's OOM killer does
+
+    monkeypatch.setenv("TF_REMAT_HIGHS_SUBPROCESS", "1")
+    monkeypatch.setattr(checkmate, "HighsWorker", Dying)
+    g = random_layered_graph(40, seed=3)
+    budget = int(0.8 * g.no_remat_peak)
+    for s in ("checkmate-milp", "checkmate-lp-rounding"):
+        p = solve(g, budget, s, time_limit=10)
+        assert p.within_budget and p.status == "feasible", (s, p.status)
+        assert "SIGKILL" in p.info.get("error", ""), p.info
 
 
 def test_moccasin_reaches_published_optimum_on_bundled_graph():

@@ -30,7 +30,9 @@ Notes:
     Memory Wall with Optimal Tensor Rematerialization", MLSys 2020 (§4 the MILP, §5 the LP
     relaxation and two-phase rounding). HiGHS is used through the bindings SciPy vendors
     (:func:`~tf_remat.solvers._staged.highs_core`), which take a warm start and report
-    incumbents and the dual bound through callbacks.
+    incumbents and the dual bound through callbacks. HiGHS does not look at the clock in every
+    phase, so a large model under a time limit is solved in a child process that is killed at
+    the deadline (:mod:`~tf_remat.solvers._highs_worker`).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from tf_remat.errors import StrategyError
 from tf_remat.graph import Graph
 from tf_remat.plan import Schedule, minimal_r, sequence_from_rs
 from tf_remat.solvers import register
+from tf_remat.solvers._highs_worker import HighsWorker, should_isolate
 from tf_remat.solvers._staged import (Deadline, Positions, Scaling, check_hint, evaluate,
                                       highs_core, sequence_from_stages, staged_hints)
 
@@ -76,6 +79,18 @@ def checkmate_milp(graph: Graph, budget: int, *, time_limit=None, seed: int = 0,
     hint = check_hint(hint, graph)
     deadline = Deadline(time_limit, reserve=_reserve(graph, time_limit))
     P = Positions(graph)
+    model = CheckmateModel(P, budget)
+    worker = _start_worker(graph, P, budget, model, time_limit, max_nonzeros)
+    try:
+        return _milp(graph, budget, P, model, worker, deadline, time_limit=time_limit,
+                     seed=seed, progress=progress, max_nonzeros=max_nonzeros, hint=hint)
+    finally:
+        if worker is not None:
+            worker.close()
+
+
+def _milp(graph, budget, P, model, worker, deadline, *, time_limit, seed, progress,
+          max_nonzeros, hint):
     cands = staged_hints(graph, P, budget, hint=hint, deadline=deadline,
                          gap_limit=_gap_limit(time_limit))
     first = next((c for c in cands if c[0]), None)
@@ -84,16 +99,19 @@ def checkmate_milp(graph: Graph, budget: int, *, time_limit=None, seed: int = 0,
         info["first_plan"] = first[4]
         if progress is not None:
             progress(cost=first[1], peak=first[2], message=f"first plan from {first[4]}")
-    model = CheckmateModel(P, budget)
     info["nonzeros"] = model.nnz_estimate
     if model.nnz_estimate > max_nonzeros or deadline.left() <= 0.05:
         info["skipped"] = "model too large for max_nonzeros" if deadline.left() > 0.05 \
             else "no time left"
         return _fallback(graph, cands, info)
-    model.build()
-    res = model.solve(integral=True, deadline=deadline, seed=seed, progress=progress,
-                      total=graph.total_cost,
-                      warm=first[3] if first is not None else None)
+    warm = first[3] if first is not None else None
+    if worker is not None:
+        res = worker.solve(integral=True, deadline=deadline, seed=seed, progress=progress,
+                           total=graph.total_cost, warm=warm, model=model)
+    else:
+        model.build()
+        res = model.solve(integral=True, deadline=deadline, seed=seed, progress=progress,
+                          total=graph.total_cost, warm=warm)
     info.update(res["info"])
     best = (first[1], sequence_from_stages(P, first[3])) if first is not None else None
     if res["stages"] is not None:
@@ -140,6 +158,19 @@ def checkmate_lp_rounding(graph: Graph, budget: int, *, time_limit=None, seed: i
     hint = check_hint(hint, graph)
     deadline = Deadline(time_limit, reserve=_reserve(graph, time_limit))
     P = Positions(graph)
+    model = CheckmateModel(P, budget)
+    worker = _start_worker(graph, P, budget, model, time_limit, max_nonzeros)
+    try:
+        return _lp_rounding(graph, budget, P, model, worker, deadline, time_limit=time_limit,
+                            seed=seed, progress=progress, samples=samples,
+                            first_plans=first_plans, max_nonzeros=max_nonzeros, hint=hint)
+    finally:
+        if worker is not None:
+            worker.close()
+
+
+def _lp_rounding(graph, budget, P, model, worker, deadline, *, time_limit, seed, progress,
+                 samples, first_plans, max_nonzeros, hint):
     info = {}
     best = None  # (cost, seq, peak)
     if first_plans:
@@ -156,13 +187,13 @@ def checkmate_lp_rounding(graph: Graph, budget: int, *, time_limit=None, seed: i
         if ev is not None and ev[0] <= budget:
             best = (ev[1], tuple(hint), ev[0])
             info["from"] = "hint"
-    model = CheckmateModel(P, budget)
     info["nonzeros"] = model.nnz_estimate
     if model.nnz_estimate > max_nonzeros:
         info["skipped"] = "model too large for max_nonzeros"
         return Schedule(sequence=best[1] if best else (), status="feasible" if best else
                         "timeout", info=info)
-    model.build()
+    if worker is None:
+        model.build()
     rng = np.random.default_rng(seed)
     lb = None
     tried = 0
@@ -171,8 +202,14 @@ def checkmate_lp_rounding(graph: Graph, budget: int, *, time_limit=None, seed: i
     for eps in eps_list:
         if deadline.left() <= 0.05 and (eps > 0 or best is not None or over is not None):
             break
-        res = model.solve(integral=False, deadline=deadline, seed=seed, allowance=eps)
-        if res["values"] is None:
+        if worker is not None:
+            res = worker.solve(integral=False, deadline=deadline, seed=seed, allowance=eps)
+            for key in ("isolated", "error", "build_seconds"):
+                if key in res["info"]:
+                    info[key] = res["info"][key]
+        else:
+            res = model.solve(integral=False, deadline=deadline, seed=seed, allowance=eps)
+        if res["s"] is None:
             if eps == 0.0 and res["status"] == "infeasible":
                 info["lp"] = "infeasible"
                 break
@@ -183,7 +220,7 @@ def checkmate_lp_rounding(graph: Graph, budget: int, *, time_limit=None, seed: i
             info["lp_overhead"] = lb / graph.total_cost - 1 if graph.total_cost else 0.0
             if progress is not None:
                 progress(lower_bound=lb)
-        s_frac = model.s_matrix(res["values"])
+        s_frac = res["s"]
         for S in _roundings(P, s_frac, rng, samples):
             # past the deadline: stop even with nothing within budget (the lowest over-budget
             # rounding is returned as infeasible; each rounding is simulated, which on large
@@ -218,6 +255,17 @@ def checkmate_lp_rounding(graph: Graph, budget: int, *, time_limit=None, seed: i
         lb = min(lb, best[0])
     status = "optimal" if lb is not None and best[0] <= lb * (1 + 1e-9) + 1e-12 else "feasible"
     return Schedule(sequence=best[1], status=status, lower_bound=lb, info=info)
+
+
+def _start_worker(graph, P, budget, model, time_limit, max_nonzeros):
+    """A HiGHS child process for a large model under a time limit (None: solve in process).
+
+    Started before the first plans are searched, so that the child's start-up and model build
+    overlap them.
+    """
+    if model.nnz_estimate > max_nonzeros or not should_isolate(model.nnz_estimate, time_limit):
+        return None
+    return HighsWorker(graph, P.order, budget)
 
 
 def _reserve(graph, time_limit):
@@ -544,8 +592,14 @@ class CheckmateModel:
 
     # ------------------------------------------------------------------ HiGHS
     def solve(self, *, integral, deadline, seed=0, progress=None, total=0.0, warm=None,
-              allowance=0.0):
-        """Run HiGHS; returns a dict with status, values, objective, bound, stages, info."""
+              allowance=0.0, report=None):
+        """Run HiGHS; returns a dict with status, values, objective, bound, stages, s, info.
+
+        ``s`` is :meth:`s_matrix` of an LP solution. ``report(kind, **data)``, when given, hears
+        of every improving MIP solution (``"incumbent"``: objective, bound, stages) and of dual
+        bound moves (``"bound"``) while HiGHS runs: the child process of
+        :mod:`~tf_remat.solvers._highs_worker` streams them to a parent that may kill it.
+        """
         core = highs_core()
         h = core._Highs()
         h.setOptionValue("output_flag", False)
@@ -596,38 +650,48 @@ class CheckmateModel:
             sol.value_valid = True
             h.setSolution(sol)
         unit = self.scale.cost_unit
-        state = {"last": math.inf}
         end = time.perf_counter() + left if math.isfinite(left) else math.inf
-        improving = int(core.cb.HighsCallbackType.kCallbackMipImprovingSolution)
+        types = core.cb.HighsCallbackType
+        improving = int(types.kCallbackMipImprovingSolution)
+        mip_interrupt = int(types.kCallbackMipInterrupt)
+        state = {"bound": None, "sent": 0.0}
 
         def cb(kind, message, out, inp, user):
-            # HiGHS checks its own time limit too rarely in presolve and the root LP: the
-            # interrupt callbacks stop it at the deadline
-            if int(kind) != improving:
-                if time.perf_counter() > end:
-                    inp.user_interrupt = True
-                return
-            if progress is None:
-                return
+            # a callback must never raise into HiGHS
             try:
+                kind = int(kind)
+                if kind != improving:
+                    # HiGHS checks its own time limit too rarely in presolve and the root LP:
+                    # the interrupt callbacks stop it at the deadline
+                    now = time.perf_counter()
+                    if now > end:
+                        inp.user_interrupt = True
+                    if report is not None and kind == mip_interrupt and now - state["sent"] > 0.2:
+                        bound = self._safe_bound(float(out.mip_dual_bound))
+                        if bound is not None and bound != state["bound"]:
+                            state["bound"], state["sent"] = bound, now
+                            report("bound", bound=bound)
+                    return
                 obj = float(out.mip_primal_bound)
                 bound = float(out.mip_dual_bound)
-            except Exception:  # noqa: BLE001 - a callback must never raise into HiGHS
+                if report is not None and math.isfinite(obj):
+                    stages = self.stages_from_x(np.asarray(out.mip_solution))
+                    report("incumbent", objective=obj, bound=self._safe_bound(bound),
+                           stages=stages)
+                if progress is not None:
+                    cost = total + obj * unit if math.isfinite(obj) else None
+                    lbv = total + self.scale.true_bound(bound, self.max_extra) \
+                        if math.isfinite(bound) else None
+                    progress(cost=cost, lower_bound=lbv)
+            except Exception:  # noqa: BLE001
                 return
-            cost = total + obj * unit if math.isfinite(obj) else None
-            lbv = total + self.scale.true_bound(bound, self.max_extra) \
-                if math.isfinite(bound) else None
-            if cost is not None and cost < state["last"]:
-                state["last"] = cost
-            progress(cost=cost, lower_bound=lbv)
 
         h.setCallback(cb, None)
-        kinds = [core.cb.HighsCallbackType.kCallbackSimplexInterrupt,
-                 core.cb.HighsCallbackType.kCallbackIpmInterrupt]
+        kinds = [types.kCallbackSimplexInterrupt, types.kCallbackIpmInterrupt]
         if integral:
-            kinds.append(core.cb.HighsCallbackType.kCallbackMipInterrupt)
-            if progress is not None:
-                kinds.append(core.cb.HighsCallbackType.kCallbackMipImprovingSolution)
+            kinds.append(types.kCallbackMipInterrupt)
+            if progress is not None or report is not None:
+                kinds.append(types.kCallbackMipImprovingSolution)
         for kind in kinds:
             h.startCallback(kind)
         t0 = time.perf_counter()
@@ -641,7 +705,7 @@ class CheckmateModel:
                   core.HighsModelStatus.kInterrupt: "timeout"}.get(ms, "other")
         info["highs_status"] = h.modelStatusToString(ms)
         out = {"status": status, "values": None, "objective": None, "bound": None,
-               "stages": None, "info": info}
+               "stages": None, "s": None, "info": info}
         has_sol = int(hinfo.primal_solution_status) == int(core.kSolutionStatusFeasible)
         if has_sol:
             x = np.asarray(h.getSolution().col_value)
@@ -649,16 +713,18 @@ class CheckmateModel:
             out["objective"] = float(hinfo.objective_function_value)
             if integral:
                 out["stages"] = self.stages_from_x(x)
-        if integral:
-            bound = float(hinfo.mip_dual_bound)
-            if status == "infeasible":
-                bound = None
-            elif math.isfinite(bound):
-                tol = max(1e-6, 1e-5 * abs(bound))
-                bound = math.ceil(bound - tol) if self.scale.exact_cost else bound - tol
-                bound = max(0.0, bound)
             else:
-                bound = None
-            out["bound"] = bound
+                out["s"] = self.s_matrix(x)
+        if integral:
+            out["bound"] = None if status == "infeasible" else \
+                self._safe_bound(float(hinfo.mip_dual_bound))
             info["mip_gap"] = float(hinfo.mip_gap) if has_sol else None
         return out
+
+    def _safe_bound(self, bound):
+        """HiGHS's dual bound less its tolerance (rounded up for integral costs), or None."""
+        if not math.isfinite(bound):
+            return None
+        tol = max(1e-6, 1e-5 * abs(bound))
+        bound = math.ceil(bound - tol) if self.scale.exact_cost else bound - tol
+        return max(0.0, bound)
