@@ -133,7 +133,10 @@ class OptimizedStep:
         report: a dict: ``strategy, status, budget_bytes, predicted_peak_bytes,
             baseline_peak_bytes, predicted_overhead, solve_seconds`` and, when the step was
             verified, ``measured_peak_bytes``; also ``nodes, recomputed_nodes, attempts,
-            extract_seconds, rewrite_seconds``.
+            extract_seconds, rewrite_seconds``. ``predicted_overhead`` is the recomputation's
+            share of the step (plan cost / sum of node costs - 1); running the plan in a static
+            order costs more besides, since independent ops no longer run side by side (-4% to
+            +34% on the zoo models on a 2-core CPU, ``benchmarks/results/rewrite.md``).
     """
 
     def __init__(self, model, budget, input_spec, label_spec, opts):
