@@ -118,6 +118,19 @@ def test_time_limit_respected_and_options_checked():
         solve(g, budget, "fastsa", order="sideways", verbose=0)
 
 
+def test_kernel_is_compiled_once_before_the_clock(monkeypatch):
+    from tf_remat.solvers import fastsa as F
+
+    monkeypatch.setattr(F, "_compiled", False)
+    assert F.compile_kernel() > 0 and F._compiled
+    assert F.compile_kernel() == 0.0
+    # a solve starts its clock after compiling: even a 0.2 s limit leaves time to anneal
+    monkeypatch.setattr(F, "_compiled", False)
+    g = random_layered_graph(60, seed=1)
+    p = solve(g, int(g.no_remat_peak * 0.9), "fastsa", time_limit=0.2, verbose=0)
+    assert F._compiled and p.info["iterations"] > 0
+
+
 def test_mutation_rate():
     g = random_layered_graph(400, seed=6)
     budget = int(g.no_remat_peak * 0.8)
