@@ -4,11 +4,13 @@ Steps (all on synthetic data, on this machine's device):
 
 1. the model (zoo ``bn_cnn`` by default: 6 conv + BatchNorm + ReLU, max pooling, Dropout, a dense
    head) and its plain Keras training step; the plain step's **measured** peak (TensorFlow's
-   allocator: ``reset_memory_stats`` / ``get_memory_info``) and step time;
-2. a budget: a fraction of that measured peak (default 60%; batch 128 by default because
-   TensorFlow's allocator adds up to ~25% to a step's peak depending on what was allocated
-   before it (see the README), and at batch 64 the smallest plan's worst layout sits right at
-   60%);
+   allocator: ``reset_memory_stats`` / ``get_memory_info``) and step time. TensorFlow's
+   allocator adds up to ~25% to a step's peak depending on what was allocated before it (see
+   the README), so both steps are measured the way ``optimize`` verifies a plan: beside
+   ballasts of 0, 0.6 and 1.0 times the largest value, the worst of the three counting. A
+   median for the plain step against a worst case for the rewritten one left the smallest
+   plan's worst layout at 60.3% of the plain step in one fresh-install run, and the demo failed;
+2. a budget: a fraction of that measured peak (default 60%);
 3. :func:`tf_remat.optimize`: extract, solve, rewrite, verify;
 4. the rewritten step's measured peak and step time (runs interleaved with the plain step);
 5. a gradient check: ``step.gradients`` against the plain step's gradients on the same batch
@@ -57,9 +59,9 @@ def run_training_demo(args) -> int:
 
     import tf_remat
     from tf_remat._units import parse_budget
-    from tf_remat.api import measure_step_peak
+    from tf_remat.api import _MEASURE_BALLAST, _MEASURE_RUNS, measure_step_peak
     from tf_remat.errors import InfeasibleBudgetError
-    from tf_remat.extract import trace_training_step
+    from tf_remat.extract import extract, trace_training_step
     from tf_remat.zoo import get_model
 
     name = getattr(args, "model", None) or "bn_cnn"
@@ -84,11 +86,19 @@ def run_training_demo(args) -> int:
     plain = trace_training_step(model, xs, ys)
     x, y = _batch(xs, ys, seed=0)
     state = _Snapshot(plain.variables)
-    base_runs = [measure_step_peak(plain.function, x, y, variables=plain.variables)
-                 for _ in range(3)]
-    base_peak = int(statistics.median(r["step_peak_bytes"] for r in base_runs))
-    say(f"[1/6] plain Keras step: measured peak {format_bytes(base_peak)} (runs: "
-        + ", ".join(format_bytes(r["step_peak_bytes"]) for r in base_runs) + ")")
+    largest = max(extract(model, input_spec=xs, label_spec=ys, cost_model="flops",
+                          verbose=0).graph.memory)
+    ballast = [int(f * largest) for f in _MEASURE_BALLAST]
+
+    def measure(fn):
+        m = measure_step_peak(fn, x, y, variables=plain.variables, runs=_MEASURE_RUNS,
+                              ballast=ballast)
+        state.restore()
+        return m["step_peak_bytes"], m["layouts"]
+
+    base_peak, base_layouts = measure(plain.function)
+    say(f"[1/6] plain Keras step: measured peak {format_bytes(base_peak)} (the worst of three "
+        f"allocator layouts: " + ", ".join(format_bytes(p) for p in base_layouts) + ")")
 
     # ---- 2. the budget
     budget_arg = _budget_arg(args)
@@ -112,13 +122,11 @@ def run_training_demo(args) -> int:
 
     # ---- 4. measured peak and step time after
     state.restore()
-    after_runs = [step.measure(x, y)["step_peak_bytes"] for _ in range(5)]
-    state.restore()
-    peak = int(statistics.median(after_runs))
+    peak, after_layouts = measure(step)
     t_plain, t_remat = _interleaved_times(plain.function, step, x, y, state, runs=5)
-    say(f"[4/6] rewritten step: measured peak {format_bytes(peak)} (runs: "
-        + ", ".join(format_bytes(p) for p in after_runs) + f"), step {1000 * t_remat:.0f} ms "
-        f"vs plain {1000 * t_plain:.0f} ms")
+    say(f"[4/6] rewritten step: measured peak {format_bytes(peak)} (the worst of three "
+        f"allocator layouts: " + ", ".join(format_bytes(p) for p in after_layouts)
+        + f"), step {1000 * t_remat:.0f} ms vs plain {1000 * t_plain:.0f} ms")
 
     # ---- 5. gradient check (and loss, BatchNorm statistics after one training step)
     gref = trace_training_step(model, xs, ys, apply_updates=False)
@@ -172,7 +180,7 @@ def run_training_demo(args) -> int:
         plot_msg = f"plot failed: {exc}"
 
     # ---- the table
-    within = peak <= 1.05 * budget  # the median of 5 runs, with the 5% slack of the checks
+    within = peak <= 1.05 * budget  # the worst layout, with the 5% slack of the checks
     overhead_meas = t_remat / t_plain - 1
     rows = [
         ("model", f"{model.name}, batch {batch}, {rep['nodes']} solver nodes"),
