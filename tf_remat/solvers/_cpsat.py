@@ -22,6 +22,7 @@ import subprocess
 import sys
 
 from tf_remat.plan import Schedule
+from tf_remat.solvers._child import spawn_module
 
 _ENV = "TF_REMAT_CPSAT_SUBPROCESS"
 # a fresh interpreter importing numpy, scipy and OR-Tools takes about a second here
@@ -51,14 +52,7 @@ def run_isolated(strategy: str, graph, budget: int, *, time_limit=None, seed: in
     job = {"strategy": strategy, "graph": graph.to_dict(), "budget": int(budget),
            "time_limit": time_limit, "seed": int(seed),
            "options": {k: (list(v) if isinstance(v, tuple) else v) for k, v in options.items()}}
-    env = dict(os.environ)
-    env[_ENV] = "0"
-    # the child imports this very copy of tf_remat, installed or not
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    proc = subprocess.Popen([sys.executable, "-m", "tf_remat.solvers._cpsat"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, env=env, text=True)
+    proc = spawn_module("tf_remat.solvers._cpsat", _ENV, stderr=subprocess.PIPE, text=True)
     final = None
     try:
         proc.stdin.write(json.dumps(job))

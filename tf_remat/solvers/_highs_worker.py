@@ -31,6 +31,8 @@ import tempfile
 import threading
 import time
 
+from tf_remat.solvers._child import spawn_module
+
 __all__ = ["HighsWorker", "should_isolate", "ISOLATE_NONZEROS"]
 
 _ENV = "TF_REMAT_HIGHS_SUBPROCESS"
@@ -57,15 +59,8 @@ class HighsWorker:
     """
 
     def __init__(self, graph, order, budget: int):
-        env = dict(os.environ)
-        env[_ENV] = "0"
-        # the child imports this very copy of tf_remat, installed or not
-        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
         self._err = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen([sys.executable, "-m", "tf_remat.solvers._highs_worker"],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self._err, env=env)
+        self.proc = spawn_module("tf_remat.solvers._highs_worker", _ENV, stderr=self._err)
         self.dead = None  # why the child is gone, once it is
         self.build_seconds = None
         self._q = queue.Queue()
