@@ -62,9 +62,11 @@ def auto(graph: Graph, budget: int, *, time_limit=None, seed: int = 0, progress=
     if order not in ("free", "fixed"):
         raise StrategyError(f"option order={order!r} of strategy 'auto' must be free or fixed")
     hint = check_hint(hint, graph)
-    from tf_remat.solvers.fastsa import compile_kernel
+    reference = evaluate(graph, graph.order)
+    if reference is None or reference[0] > budget:
+        from tf_remat.solvers.fastsa import compile_kernel
 
-    compile_kernel()  # FastSA's one-time compilation is not the portfolio's time
+        compile_kernel()  # FastSA will run: its one-time compilation is not the portfolio's time
     limit = DEFAULT_TIME if time_limit is None else float(time_limit)
     deadline = Deadline(limit, reserve=min(1.0, 0.05 * limit))
     start = time.perf_counter()
