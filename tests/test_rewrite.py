@@ -422,16 +422,19 @@ def test_float64_recomputing_step_is_exact():
 
 def test_measuring_beside_a_ballast_reports_each_layout():
     """``measure_step_peak`` runs the step beside held tensors of the given sizes (so the
-    allocator's free chunks differ) and counts the worst; the ballast itself is not counted."""
-    from tf_remat.api import measure_step_peak
+    allocator's free chunks differ), or beside fragmented memory (a tuple of sizes, every other
+    one freed), and counts the worst; the ballast itself is not counted."""
+    from tf_remat.api import measure_step_peak, verification_layouts
 
     ex = extracted("skip_cnn")
     x, y = batch_for(ex)
     big = max(ex.graph.memory)
+    layouts = verification_layouts(big)
+    assert layouts[:3] == [0, int(0.6 * big), big] and len(layouts[3]) > 2
     snap = Snapshot(ex.traced.variables)
     m = measure_step_peak(ex.traced.function, x, y, variables=ex.traced.variables, runs=1,
-                          ballast=(0, big // 2, big))
-    assert len(m["layouts"]) == 3
+                          ballast=(0, big // 2, big, layouts[3]))
+    assert len(m["layouts"]) == 4
     assert m["step_peak_bytes"] == max(m["layouts"])
     # a held ballast is memory from before the step: it must not show in the step's peak
     assert min(m["layouts"]) >= 0.8 * ex.graph.no_remat_peak

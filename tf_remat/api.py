@@ -31,8 +31,10 @@ __all__ = ["optimize", "OptimizedStep", "detach", "measure_step_peak", "solve_is
 #: attempts at meeting the budget as measured (each solves again with a lower budget)
 _MAX_ATTEMPTS = 6
 #: verification aims this fraction under the budget; a plan within the budget but not the
-#: margin is taken when no plan within the margin is found
-_MEASURE_MARGIN = 0.03
+#: margin is taken when no plan within the margin is found. Measured in allocation histories
+#: verification never saw (after ``model.fit``, beside fragmented memory), held-out-style
+#: models came out up to 5 points above their verified peak (``tools/bench_heldout.py``)
+_MEASURE_MARGIN = 0.05
 #: measured runs of the rewritten step per allocator layout when verifying (the largest counts)
 _MEASURE_RUNS = 2
 #: verification measures the step beside a held "ballast" tensor of these fractions of the
@@ -42,6 +44,16 @@ _MEASURE_RUNS = 2
 #: 128: +0% to +17% over the simulated peak for a plan, +2% to +22% for the plain step); runs
 #: in one history are identical, so repeating runs alone samples nothing
 _MEASURE_BALLAST = (0.0, 0.6, 1.0)
+#: and beside fragmented memory: tensors of these fractions allocated in turn and every other
+#: one freed, which leaves free chunks of odd sizes between the held ones
+_MEASURE_FRAGMENTS = (0.31, 0.07, 0.45, 0.12, 0.26, 0.05, 0.38, 0.19, 0.09, 0.48, 0.22, 0.15)
+
+
+def verification_layouts(largest: int) -> list:
+    """The ``ballast`` argument of :func:`measure_step_peak` with which ``optimize`` verifies a
+    plan whose graph's largest value is ``largest`` bytes."""
+    return ([int(f * largest) for f in _MEASURE_BALLAST] +
+            [tuple(int(f * largest) for f in _MEASURE_FRAGMENTS)])
 
 
 def optimize(model, budget_gb: float | None = None, *, budget_bytes: int | None = None,
@@ -387,7 +399,7 @@ class OptimizedStep:
                 big = max(graph.memory) if graph.n else 0
                 measured = measure_step_peak(step, x, y, variables=ex.traced.variables,
                                              runs=_MEASURE_RUNS,
-                                             ballast=[int(f * big) for f in _MEASURE_BALLAST])
+                                             ballast=verification_layouts(big))
                 del x, y
             attempts.append({"solve_budget": solve_budget, "predicted": plan.peak_memory,
                              "measured": None if measured is None
@@ -474,11 +486,13 @@ def measure_step_peak(step, x, y, *, variables=(), runs: int = 1, warmup: int = 
     it, without memory the process holds for other purposes. With ``runs > 1`` the largest.
     ``seconds``: the median wall time of the measured runs.
 
-    ``ballast``: byte sizes; for each, a tensor of that size is held while ``warmup + runs``
-    steps run (0: none), and the worst peak over all of them counts (``layouts`` gives each
-    one's). The allocator's free chunks differ with what else is allocated, and so does the
-    peak it reports for the same step (see ``_MEASURE_BALLAST``); a ballast that does not fit
-    on the device is skipped.
+    ``ballast``: one entry per allocator layout: a byte size (a tensor of that size is held
+    while ``warmup + runs`` steps run; 0: none) or a tuple of sizes (tensors of those sizes are
+    allocated in turn and every other one is freed, so the free memory between the held ones is
+    fragmented). The worst peak over all layouts counts (``layouts`` gives each one's). The
+    allocator's free chunks differ with what else is allocated, and so does the peak it reports
+    for the same step (see ``_MEASURE_BALLAST``); a layout that does not fit on the device is
+    skipped.
     """
     import numpy as np
     import tensorflow as tf
@@ -498,12 +512,15 @@ def measure_step_peak(step, x, y, *, variables=(), runs: int = 1, warmup: int = 
     try:
         for size in ballast:
             hold = None
-            if size > 0:
+            sizes = tuple(size) if isinstance(size, (tuple, list)) else (size,)
+            if any(b > 0 for b in sizes):
                 try:
                     with tf.device(device):
-                        hold = tf.fill([max(1, int(size) // 4)], 1.0)
+                        hold = [tf.fill([max(1, int(b) // 4)], 1.0) for b in sizes]
                 except tf.errors.ResourceExhaustedError:
                     continue
+                if len(hold) > 1:
+                    hold = hold[::2]
             for _ in range(warmup):
                 _block(step(x, y))
             worst = 0

@@ -7,7 +7,8 @@ Steps (all on synthetic data, on this machine's device):
    allocator: ``reset_memory_stats`` / ``get_memory_info``) and step time. TensorFlow's
    allocator adds up to ~25% to a step's peak depending on what was allocated before it (see
    the README), so both steps are measured the way ``optimize`` verifies a plan: beside
-   ballasts of 0, 0.6 and 1.0 times the largest value, the worst of the three counting. A
+   ballasts of 0, 0.6 and 1.0 times the largest value and beside fragmented memory, the worst
+   of the four counting (:func:`tf_remat.api.verification_layouts`). A
    median for the plain step against a worst case for the rewritten one left the smallest
    plan's worst layout at 60.3% of the plain step in one fresh-install run, and the demo failed;
 2. a budget: a fraction of that measured peak (default 60%);
@@ -59,7 +60,7 @@ def run_training_demo(args) -> int:
 
     import tf_remat
     from tf_remat._units import parse_budget
-    from tf_remat.api import _MEASURE_BALLAST, _MEASURE_RUNS, measure_step_peak
+    from tf_remat.api import _MEASURE_RUNS, measure_step_peak, verification_layouts
     from tf_remat.errors import InfeasibleBudgetError
     from tf_remat.extract import extract, trace_training_step
     from tf_remat.zoo import get_model
@@ -88,7 +89,7 @@ def run_training_demo(args) -> int:
     state = _Snapshot(plain.variables)
     largest = max(extract(model, input_spec=xs, label_spec=ys, cost_model="flops",
                           verbose=0).graph.memory)
-    ballast = [int(f * largest) for f in _MEASURE_BALLAST]
+    ballast = verification_layouts(largest)
 
     def measure(fn):
         m = measure_step_peak(fn, x, y, variables=plain.variables, runs=_MEASURE_RUNS,
@@ -97,8 +98,9 @@ def run_training_demo(args) -> int:
         return m["step_peak_bytes"], m["layouts"]
 
     base_peak, base_layouts = measure(plain.function)
-    say(f"[1/6] plain Keras step: measured peak {format_bytes(base_peak)} (the worst of three "
-        f"allocator layouts: " + ", ".join(format_bytes(p) for p in base_layouts) + ")")
+    say(f"[1/6] plain Keras step: measured peak {format_bytes(base_peak)} (the worst of "
+        f"{len(base_layouts)} allocator layouts: "
+        + ", ".join(format_bytes(p) for p in base_layouts) + ")")
 
     # ---- 2. the budget
     budget_arg = _budget_arg(args)
@@ -124,8 +126,9 @@ def run_training_demo(args) -> int:
     state.restore()
     peak, after_layouts = measure(step)
     t_plain, t_remat = _interleaved_times(plain.function, step, x, y, state, runs=5)
-    say(f"[4/6] rewritten step: measured peak {format_bytes(peak)} (the worst of three "
-        f"allocator layouts: " + ", ".join(format_bytes(p) for p in after_layouts)
+    say(f"[4/6] rewritten step: measured peak {format_bytes(peak)} (the worst of "
+        f"{len(after_layouts)} allocator layouts: "
+        + ", ".join(format_bytes(p) for p in after_layouts)
         + f"), step {1000 * t_remat:.0f} ms vs plain {1000 * t_plain:.0f} ms")
 
     # ---- 5. gradient check (and loss, BatchNorm statistics after one training step)
