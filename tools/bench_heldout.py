@@ -1,0 +1,412 @@
+#!/usr/bin/env python
+"""Held-out-style check of ``tf_remat.optimize`` -> benchmarks/results/heldout.md.
+
+The models here are not in the zoo (``tf_remat.zoo``) and have what the held-out check names:
+skip connections (additions and concatenations), BatchNorm and Dropout. Per model, in a fresh
+process: the plain training step's peak is measured (median of 3 runs, as
+``tools/bench_rewrite.py`` measures it), ``tf_remat.optimize`` runs with its defaults (``auto``,
+profiled costs, verification on) at 60% and 70% of that peak, and the rewritten step is then
+measured again in allocation histories ``optimize`` never saw:
+
+* **fresh**: ``step.measure`` right after ``optimize`` (3 runs, the worst);
+* **after fit**: after ``model.fit`` trained 2 epochs with the rewritten step;
+* **fragmented**: with a dozen tensors of 5-50% of the largest activation allocated and every
+  other one freed, so the allocator's free chunks are of odd sizes;
+* **first call**: a model built, compiled and optimized anew in a process where the plain
+  Keras step already ran (``model.train_on_batch``), the rewritten step's first call timed.
+
+The worst of these over the budget is what a user can see; the check allows 5% slack. The
+gradients (``step.gradients`` vs the plain step's, same state and batch) and the BatchNorm
+moving statistics after one step are compared too.
+
+Usage:
+    python tools/bench_heldout.py                    # every model
+    python tools/bench_heldout.py --models resdrop mixer --fractions 0.6
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+FRACTIONS = (0.6, 0.7)
+MIB = 2**20
+
+
+# --------------------------------------------------------------------- models
+def resdrop(batch=64, hw=32):
+    """Pre-activation residual CNN: strided projection shortcuts, BatchNorm, Dropout."""
+    import keras
+    import tensorflow as tf
+
+    inp = keras.Input((hw, hw, 3))
+    h = keras.layers.Conv2D(32, 3, padding="same", use_bias=False)(inp)
+    for width, stride in ((32, 1), (32, 1), (64, 2), (64, 1), (128, 2)):
+        r = keras.layers.BatchNormalization()(h)
+        r = keras.layers.Activation("relu")(r)
+        s = h if stride == 1 and h.shape[-1] == width else \
+            keras.layers.Conv2D(width, 1, strides=stride, use_bias=False)(r)
+        r = keras.layers.Conv2D(width, 3, strides=stride, padding="same", use_bias=False)(r)
+        r = keras.layers.BatchNormalization()(r)
+        r = keras.layers.Activation("relu")(r)
+        r = keras.layers.Dropout(0.2)(r)
+        r = keras.layers.Conv2D(width, 3, padding="same", use_bias=False)(r)
+        h = keras.layers.Add()([r, s])
+    h = keras.layers.GlobalAveragePooling2D()(keras.layers.BatchNormalization()(h))
+    out = keras.layers.Dense(10)(keras.layers.Dropout(0.3)(h))
+    model = keras.Model(inp, out, name="resdrop")
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  optimizer=keras.optimizers.Adam(1e-3), metrics=["accuracy"])
+    return model, tf.TensorSpec((batch, hw, hw, 3)), tf.TensorSpec((batch,), tf.int32)
+
+
+def unet_bn(batch=8, hw=64):
+    """A small U-Net: concatenated skips, BatchNorm, Dropout at the bottleneck, per-pixel loss."""
+    import keras
+    import tensorflow as tf
+
+    def block(x, width):
+        for _ in range(2):
+            x = keras.layers.Conv2D(width, 3, padding="same", use_bias=False)(x)
+            x = keras.layers.BatchNormalization()(x)
+            x = keras.layers.Activation("relu")(x)
+        return x
+
+    inp = keras.Input((hw, hw, 3))
+    skips, h = [], inp
+    for width in (16, 32, 64):
+        h = block(h, width)
+        skips.append(h)
+        h = keras.layers.MaxPooling2D()(h)
+    h = keras.layers.Dropout(0.3)(block(h, 128))
+    for width, skip in zip((64, 32, 16), reversed(skips)):
+        h = keras.layers.Conv2DTranspose(width, 2, strides=2)(h)
+        h = block(keras.layers.Concatenate()([h, skip]), width)
+    out = keras.layers.Conv2D(3, 1)(h)
+    model = keras.Model(inp, out, name="unet_bn")
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  optimizer=keras.optimizers.SGD(0.01, momentum=0.9))
+    return model, tf.TensorSpec((batch, hw, hw, 3)), tf.TensorSpec((batch, hw, hw), tf.int32)
+
+
+def densenet(batch=8, hw=64):
+    """keras.applications.DenseNet121 (weights=None): concatenation everywhere, BatchNorm."""
+    import keras
+    import tensorflow as tf
+
+    model = keras.applications.DenseNet121(weights=None, input_shape=(hw, hw, 3), classes=10,
+                                           classifier_activation=None)
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  optimizer=keras.optimizers.SGD(0.01, momentum=0.9))
+    return model, tf.TensorSpec((batch, hw, hw, 3)), tf.TensorSpec((batch,), tf.int32)
+
+
+def efficientnet(batch=8, hw=64):
+    """keras.applications.EfficientNetB0 (weights=None): residual adds, squeeze-excitation
+    products, BatchNorm, stochastic-depth Dropout (noise_shape) and a top Dropout."""
+    import keras
+    import tensorflow as tf
+
+    model = keras.applications.EfficientNetB0(weights=None, input_shape=(hw, hw, 3),
+                                              classes=10, classifier_activation=None)
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  optimizer=keras.optimizers.Adam(1e-3), metrics=["accuracy"])
+    return model, tf.TensorSpec((batch, hw, hw, 3)), tf.TensorSpec((batch,), tf.int32)
+
+
+def mixer(batch=32, patches=64, dim=128, depth=4):
+    """An MLP-Mixer over a token sequence: LayerNorm, Dropout, residual adds, transposes."""
+    import keras
+    import tensorflow as tf
+
+    inp = keras.Input((patches, dim))
+    h = inp
+    for _ in range(depth):
+        t = keras.layers.LayerNormalization()(h)
+        t = keras.layers.Permute((2, 1))(t)
+        t = keras.layers.Dense(2 * patches, activation="gelu")(t)
+        t = keras.layers.Dropout(0.1)(t)
+        t = keras.layers.Permute((2, 1))(keras.layers.Dense(patches)(t))
+        h = keras.layers.Add()([h, t])
+        c = keras.layers.LayerNormalization()(h)
+        c = keras.layers.Dense(4 * dim, activation="gelu")(c)
+        c = keras.layers.Dropout(0.1)(c)
+        h = keras.layers.Add()([h, keras.layers.Dense(dim)(c)])
+    h = keras.layers.GlobalAveragePooling1D()(keras.layers.LayerNormalization()(h))
+    out = keras.layers.Dense(10)(h)
+    model = keras.Model(inp, out, name="mixer")
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  optimizer=keras.optimizers.AdamW(1e-3))
+    return model, tf.TensorSpec((batch, patches, dim)), tf.TensorSpec((batch,), tf.int32)
+
+
+MODELS = {"resdrop": resdrop, "unet_bn": unet_bn, "densenet": densenet,
+          "efficientnet": efficientnet, "mixer": mixer}
+
+
+# --------------------------------------------------------------------- one case
+def _data(xs, ys, model, n=None, seed=0):
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    n = n or xs.shape[0]
+    x = rng.standard_normal((n,) + tuple(xs.shape[1:])).astype("float32")
+    classes = int(model.outputs[0].shape[-1])
+    y = rng.integers(0, classes, (n,) + tuple(ys.shape[1:])).astype("int32")
+    return x, y
+
+
+def _fragmented(step, x, y, big, seed=0):
+    """The step's measured peak beside a dozen held tensors of odd sizes, every other freed."""
+    import numpy as np
+    import tensorflow as tf
+
+    rng = np.random.default_rng(seed)
+    held = [tf.fill([max(1, int(f * big) // 4)], 1.0) for f in rng.uniform(0.05, 0.5, 12)]
+    held = held[::2]
+    try:
+        return step.measure(x, y, runs=2)["step_peak_bytes"]
+    finally:
+        del held
+
+
+def run_case(name, fractions, time_limit):
+    import numpy as np
+    import tensorflow as tf
+
+    import tf_remat
+    from tf_remat.api import measure_step_peak
+    from tf_remat.errors import InfeasibleBudgetError
+    from tf_remat.extract import trace_training_step
+
+    import keras
+
+    keras.utils.set_random_seed(1)
+    model, xs, ys = MODELS[name]()
+    ref = trace_training_step(model, xs, ys)
+    gref = trace_training_step(model, xs, ys, apply_updates=False)
+    xa, ya = _data(xs, ys, model)
+    x, y = tf.constant(xa), tf.constant(ya)
+    base_runs = [measure_step_peak(ref.function, x, y, variables=ref.variables)
+                 for _ in range(3)]
+    base = int(statistics.median(r["step_peak_bytes"] for r in base_runs))
+    out = {"model": name, "batch": int(xs.shape[0]), "params": int(model.count_params()),
+           "baseline_peak": base, "baseline_peaks": [r["step_peak_bytes"] for r in base_runs],
+           "rows": []}
+    start = [np.array(v.numpy(), copy=True) for v in model.variables]
+    for frac in fractions:
+        budget = int(frac * base)
+        for v, s in zip(model.variables, start):
+            v.assign(s)
+        row = {"fraction": frac, "budget": budget}
+        t0 = time.perf_counter()
+        try:
+            step = tf_remat.optimize(model, budget_bytes=budget, input_spec=xs, label_spec=ys,
+                                     time_limit=time_limit, verbose=0)
+        except InfeasibleBudgetError as exc:
+            row.update(status="infeasible", min_feasible=exc.min_feasible,
+                       seconds=time.perf_counter() - t0)
+            out["rows"].append(row)
+            continue
+        rep = step.report
+        row.update(status=rep["status"], strategy=rep["strategy"],
+                   seconds=time.perf_counter() - t0, simulated=rep["predicted_peak_bytes"],
+                   verified=rep["measured_peak_bytes"], attempts=rep["attempts"],
+                   recomputed=rep["recomputed_nodes"], nodes=rep["nodes"])
+        big = max(step.graph.memory)
+        row["fresh"] = max(step.measure(x, y)["step_peak_bytes"] for _ in range(3))
+        # gradients and BatchNorm statistics against the plain step, same state and batch
+        variables = list({id(v): v for v in list(ref.variables) + list(gref.variables) +
+                          list(step.rewritten.traced.variables)}.values())
+        snap = [np.array(v.numpy(), copy=True) for v in variables]
+
+        def restore():
+            for v, s in zip(variables, snap):
+                v.assign(s)
+
+        g1 = [t.numpy() for t in gref.function(x, y)[1:]]
+        restore()
+        g2 = [t.numpy() for t in step.gradients(x, y)]
+        restore()
+        scale = max(float(np.abs(g).max()) for g in g1)
+        row["grad_err"] = max(float(np.abs(a - b).max()) for a, b in zip(g1, g2)) / scale
+        ref.function(x, y)
+        s1 = [v.numpy() for v in model.non_trainable_variables if "moving" in v.path]
+        restore()
+        step(x, y)
+        s2 = [v.numpy() for v in model.non_trainable_variables if "moving" in v.path]
+        restore()
+        # over the largest statistic, as the gradients' error is over the largest gradient: a
+        # moving mean near zero makes a per-variable relative error of rounding look large
+        row["bn_err"] = (max(float(np.abs(a - b).max()) for a, b in zip(s1, s2)) /
+                         max(float(np.abs(a).max()) for a in s1) if s1 else None)
+        xt, yt = _data(xs, ys, model, n=3 * xs.shape[0], seed=5)
+        hist = model.fit(xt, yt, batch_size=xs.shape[0], epochs=2, verbose=0, shuffle=False)
+        row["fit_loss_finite"] = bool(np.all(np.isfinite(hist.history["loss"])))
+        row["after_fit"] = step.measure(x, y, runs=2)["step_peak_bytes"]
+        row["fragmented"] = _fragmented(step, x, y, big)
+        step.detach()
+        del step
+        out["rows"].append(row)
+        print(f"[{name}] {json.dumps(row)}", file=sys.stderr, flush=True)
+    return out
+
+
+def first_call_case(name, frac, time_limit):
+    """A new model in a process where Keras's own step already ran; the rewritten step's first
+    call after ``optimize`` is measured (no warm-up run)."""
+    import numpy as np
+    import tensorflow as tf
+
+    import tf_remat
+    from tf_remat.api import measure_step_peak
+    from tf_remat.extract import trace_training_step
+
+    import keras
+
+    keras.utils.set_random_seed(1)
+    model, xs, ys = MODELS[name]()
+    xa, ya = _data(xs, ys, model)
+    model.train_on_batch(xa, ya)
+    ref = trace_training_step(model, xs, ys)
+    x, y = tf.constant(xa), tf.constant(ya)
+    base = int(statistics.median(
+        measure_step_peak(ref.function, x, y, variables=ref.variables)["step_peak_bytes"]
+        for _ in range(3)))
+    budget = int(frac * base)
+    step = tf_remat.optimize(model, budget_bytes=budget, input_spec=xs, label_spec=ys,
+                             time_limit=time_limit, verbose=0)
+    m = measure_step_peak(step.rewritten, x, y, variables=step.rewritten.traced.variables,
+                          warmup=0)
+    return {"model": name, "fraction": frac, "budget": budget, "baseline_peak": base,
+            "first_call": m["step_peak_bytes"]}
+
+
+# --------------------------------------------------------------------- report
+HISTORIES = ("verified", "fresh", "after_fit", "fragmented")
+
+
+def table(results, firsts) -> str:
+    lines = ["| model | batch | plain peak MiB | budget | budget MiB | status | strategy | "
+             "simulated MiB | verified | fresh | after fit | fragmented | first call | "
+             "worst/budget | grad err | BN stats err | fit | solve+verify s |",
+             "|" + "---|" * 18]
+    first = {(f["model"], f["fraction"]): f for f in firsts if "first_call" in f}
+    for res in results:
+        if "error" in res:
+            lines.append(f"| {res['model']} | | error: {res['error'][:120]} |" + " |" * 15)
+            continue
+        for r in res["rows"]:
+            head = (f"| {res['model']} | {res['batch']} | {res['baseline_peak'] / MIB:.0f} | "
+                    f"{100 * r['fraction']:.0f}% | {r['budget'] / MIB:.0f} |")
+            if r["status"] == "infeasible":
+                lines.append(f"{head} infeasible (smallest reachable "
+                             f"{r['min_feasible'] / MIB:.0f} MiB) |" + " |" * 12)
+                continue
+            b = r["budget"]
+            cols = [r[h] / b for h in HISTORIES]
+            f = first.get((res["model"], r["fraction"]))
+            if f is not None:
+                cols.append(f["first_call"] / f["budget"])
+            worst = max(cols)
+            flag = "" if worst <= 1.0 else (" (slack)" if worst <= 1.05 else " **over**")
+            cells = " | ".join(f"{c:.2f}" for c in cols[:4])
+            fc = f"{cols[4]:.2f}" if f is not None else "n/a"
+            bn = "n/a" if r["bn_err"] is None else f"{r['bn_err']:.1e}"
+            lines.append(
+                f"{head} {r['status']} | {r['strategy']} | {r['simulated'] / MIB:.0f} | "
+                f"{cells} | {fc} | {worst:.2f}{flag} | {r['grad_err']:.1e} | {bn} | "
+                f"{'ok' if r['fit_loss_finite'] else 'NaN'} | {r['seconds']:.0f} |")
+    return "\n".join(lines)
+
+
+NOTES = """\
+## How to read this
+
+* **plain peak**: the plain training step's measured peak (median of 3 runs): allocator peak
+  during the step minus what was allocated before, plus the variables and the batch. The budget
+  is 60% or 70% of it, as the held-out check takes it.
+* The next five columns are the rewritten step's measured peak over the budget, each in another
+  allocation history: **verified** is what `optimize` measured (the worst of its allocator layouts,
+  `tf_remat.api.verification_layouts`; it accepts a plan at 95% or less, or the lowest within
+  the budget when none gets there), **fresh** the worst of 3 `step.measure` calls right after,
+  **after fit** after `model.fit` trained 2 epochs with the step, **fragmented** beside a dozen
+  held tensors of odd sizes, **first call** the step's first call after `optimize` in another
+  process where Keras's own `train_on_batch` ran first (its own plain peak and budget).
+  **worst/budget** is the largest; "(slack)" marks 1.00-1.05, within the check's 5% slack.
+* **grad err**: max |g_rewritten - g_plain| over all gradients over the largest gradient value;
+  **BN stats err**: max |difference| of the BatchNorm moving statistics after one step of
+  each, over the largest statistic (float32 reassociation: ~1e-7 .. 1e-5 expected). **fit**:
+  `model.fit` with the rewritten step gave finite losses.
+"""
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    p.add_argument("--fractions", default=",".join(map(str, FRACTIONS)))
+    p.add_argument("--time-limit", type=float, default=60.0)
+    p.add_argument("--no-first-call", action="store_true",
+                   help="skip the first-call runs (one more process per model)")
+    p.add_argument("-o", "--output", default=os.path.join(ROOT, "benchmarks", "results",
+                                                          "heldout.md"))
+    p.add_argument("--case", default=None, help=argparse.SUPPRESS)   # child process
+    p.add_argument("--first", default=None, help=argparse.SUPPRESS)  # child process
+    args = p.parse_args(argv)
+    fractions = [float(f) for f in args.fractions.split(",")]
+    if args.case:
+        print("RESULT " + json.dumps(run_case(args.case, fractions, args.time_limit)),
+              flush=True)
+        return 0
+    if args.first:
+        name, frac = json.loads(args.first)
+        print("RESULT " + json.dumps(first_call_case(name, frac, args.time_limit)), flush=True)
+        return 0
+
+    def child(flag, value, label):
+        t0 = time.perf_counter()
+        cmd = [sys.executable, os.path.abspath(__file__), flag, value,
+               "--fractions", args.fractions, "--time-limit", str(args.time_limit)]
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+        res = next((json.loads(line[7:]) for line in proc.stdout.splitlines()
+                    if line.startswith("RESULT ")), None)
+        if res is None:
+            res = {"model": label, "error": f"exit code {proc.returncode}"}
+        print(f"{label}: done in {time.perf_counter() - t0:.0f} s", file=sys.stderr,
+              flush=True)
+        return res
+
+    results, firsts = [], []
+    for name in args.models:
+        results.append(child("--case", name, name))
+        if not args.no_first_call:
+            firsts.append(child("--first", json.dumps([name, min(fractions)]),
+                                f"{name} (first call)"))
+    import tensorflow as tf
+
+    machine = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; "
+               f"Python {platform.python_version()}, TensorFlow {tf.__version__}")
+    text = table(results, firsts)
+    doc = ["# Held-out-style models through `tf_remat.optimize`", "",
+           f"Machine: {machine}. `optimize` defaults (`auto`, profiled costs), time limit "
+           f"{args.time_limit:g} s. Generated by `tools/bench_heldout.py`.", "", text, "",
+           NOTES]
+    print(text)
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+    with open(args.output, "w") as f:
+        f.write("\n".join(doc))
+    print(f"wrote {args.output}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
