@@ -333,9 +333,10 @@ NOTES = """\
   batch (the step's own memory; the budget counts the same). Budgets are 90/70/50% of it.
 * **simulated**: the plan's peak in the simulator (`plan.peak_memory`); **measured**: the
   rewritten step's peak, measured the same way (median of 3 runs, the variables restored from
-  NumPy between them). `optimize` verifies each plan beside ballasts of 0, 0.6 and 1.0 times
-  the largest value (three allocator layouts) and re-solves with a lower budget while the worst
-  is over the budget less 3% (**attempts** counts the solves).
+  NumPy between them). `optimize` verifies each plan in several allocator layouts (held
+  ballasts and fragmented memory, `tf_remat.api.verification_layouts`) and re-solves with a
+  lower budget while the worst is over the budget less a margin (**attempts** counts the
+  solves; "Run conditions" below says which layouts and margin this run had).
 * **overhead pred**: plan cost / sum of node costs - 1 with profiled costs (what the solver
   minimizes: the recomputation); **meas**: median step time of the rewritten step over the plain
   step's - 1. **static order**: the same step rewritten with no recomputation, in topological
