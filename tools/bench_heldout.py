@@ -166,7 +166,10 @@ def _data(xs, ys, model, n=None, seed=0):
 
 
 def _fragmented(step, x, y, big, seed=0):
-    """The step's measured peak beside a dozen held tensors of odd sizes, every other freed."""
+    """The step's measured peak beside a dozen held tensors of odd sizes, every other freed.
+
+    Random sizes, not ``verification_layouts``' fixed ones: the point is a history that
+    ``optimize`` did not verify in."""
     import numpy as np
     import tensorflow as tf
 
@@ -264,7 +267,6 @@ def run_case(name, fractions, time_limit):
 def first_call_case(name, frac, time_limit):
     """A new model in a process where Keras's own step already ran; the rewritten step's first
     call after ``optimize`` is measured (no warm-up run)."""
-    import numpy as np
     import tensorflow as tf
 
     import tf_remat
