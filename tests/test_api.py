@@ -58,6 +58,15 @@ def test_optimized_step_trains_like_keras(builder, fraction):
     assert rep["predicted_peak_bytes"] <= rep["solve_budget_bytes"] <= budget
     assert rep["measured_peak_bytes"] <= 1.05 * budget
     assert rep["recomputed_nodes"] > 0
+    # the first solve aims under the budget by the verification margin (a plan simulated
+    # above it would measure above it); re-solves get half the time limit each
+    from tf_remat.api import _MEASURE_MARGIN
+
+    tries = step._primary().attempts
+    aim = max(int(budget * (1 - _MEASURE_MARGIN)), step.graph.budget_lower_bound)
+    assert tries[0]["solve_budget"] == min(aim, budget)
+    assert tries[0]["time_limit"] == FAST["time_limit"]
+    assert all(t["time_limit"] <= FAST["time_limit"] / 2 for t in tries[1:])
     x, y = (tf.constant(a) for a in data(xs, ys, seed=1))
     variables = list({id(v): v for v in list(ref.variables) +
                       list(step.rewritten.traced.variables)}.values())

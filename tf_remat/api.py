@@ -30,6 +30,9 @@ __all__ = ["optimize", "OptimizedStep", "detach", "measure_step_peak", "solve_is
 
 #: attempts at meeting the budget as measured (each solves again with a lower budget)
 _MAX_ATTEMPTS = 6
+#: re-solves after the first share this many ``time_limit``s in all (and each gets at most
+#: half of one), so that solving takes at most 2 x ``time_limit`` however many re-solves run
+_RESOLVE_SHARE = 1.0
 #: verification aims this fraction under the budget; a plan within the budget but not the
 #: margin is taken when no plan within the margin is found. Measured in allocation histories
 #: verification never saw (after ``model.fit``, beside fragmented memory), held-out-style
@@ -72,7 +75,11 @@ def optimize(model, budget_gb: float | None = None, *, budget_bytes: int | None 
             the batch size included.
         loss, optimizer: default: what ``model.compile`` set.
         strategy: a solver strategy name (``tf-remat strategies``) or callable.
-        time_limit: seconds the solver may take.
+        time_limit: seconds the solver may take for the first plan. When the measured check
+            sends it back, each re-solve gets half of that, and the re-solves stop once they
+            have spent one more ``time_limit`` in all, if a step within the budget was found
+            by then (so solving takes about 2 x ``time_limit`` at most; up to 3.5 x while no
+            step within the budget is found). None: no limit.
         verbose: 0 silent; 1 progress and a summary line.
         cost_model: ``"profile"`` (measure each op here, cached) or ``"flops"``.
         verify: run the rewritten step once (variables saved and restored) and re-solve with a
@@ -145,7 +152,8 @@ class OptimizedStep:
         report: a dict: ``strategy, status, budget_bytes, predicted_peak_bytes,
             baseline_peak_bytes, predicted_overhead, solve_seconds`` and, when the step was
             verified, ``measured_peak_bytes``; also ``nodes, recomputed_nodes, attempts,
-            extract_seconds, rewrite_seconds``. ``predicted_overhead`` is the recomputation's
+            total_solve_seconds`` (all attempts' solves, their processes included),
+            ``extract_seconds, rewrite_seconds``. ``predicted_overhead`` is the recomputation's
             share of the step (plan cost / sum of node costs - 1); running the plan in a static
             order costs more besides, since independent ops no longer run side by side (-4% to
             +34% on the zoo models on a 2-core CPU, ``benchmarks/results/rewrite.md``).
@@ -221,7 +229,9 @@ class OptimizedStep:
             rep["measured_peak_bytes"] = b.measured["step_peak_bytes"]
         rep.update({"solve_budget_bytes": b.solve_budget, "nodes": graph.n,
                     "recomputed_nodes": sum(1 for c in counts if c > 1),
-                    "attempts": len(b.attempts), "extract_seconds": b.seconds.get("extract"),
+                    "attempts": len(b.attempts),
+                    "total_solve_seconds": sum(a.get("solve_seconds", 0) for a in b.attempts),
+                    "extract_seconds": b.seconds.get("extract"),
                     "rewrite_seconds": b.seconds.get("rewrite"),
                     "lower_bound_bytes": graph.budget_lower_bound})
         return rep
@@ -367,7 +377,12 @@ class OptimizedStep:
         budget = self.budget_bytes
         # the measured peak moves by a few percent from run to run: aim under the budget
         target = int(budget * (1 - _MEASURE_MARGIN))
+        # TensorFlow's measured peak is rarely below the simulated one (the allocator rounds
+        # up), so a plan simulated above the target would almost never be accepted: solve for
+        # the target first, and for the budget itself only when nothing fits the target
         solve_budget = budget
+        if o["verify"] and max(target, graph.budget_lower_bound) < budget:
+            solve_budget = max(target, graph.budget_lower_bound)
         attempts = []
         best = None        # the lowest measured step within the budget, or the lowest overall
         accepted = None
@@ -375,19 +390,42 @@ class OptimizedStep:
         too_high = None    # the lowest solve budget whose plan measured over the budget
         no_plan = None     # the highest solve budget the solver found no plan for
         plan = None
+        limit = o["time_limit"]
+        resolve_left = None if limit is None else _RESOLVE_SHARE * limit
         for attempt in range(_MAX_ATTEMPTS if o["verify"] else 1):
+            this_limit = limit
+            if attempt and limit is not None:
+                this_limit = 0.5 * limit
+                if resolve_left < max(1.0, 0.05 * limit):
+                    if best is not None and best.measured["step_peak_bytes"] <= budget:
+                        if verbose:
+                            print(f"tf-remat: re-solve time ({_RESOLVE_SHARE * limit:g} s) "
+                                  f"spent; keeping the best step within the budget after "
+                                  f"{attempt} attempt(s)", file=sys.stderr, flush=True)
+                        break
+                    # nothing within the budget yet: meeting it matters more than the time
+                else:
+                    this_limit = min(this_limit, resolve_left)
+            ts = time.perf_counter()
             plan = solve_isolated(graph, solve_budget, o["strategy"],
-                                  time_limit=o["time_limit"], verbose=verbose)
+                                  time_limit=this_limit, verbose=verbose)
+            solve_s = time.perf_counter() - ts
+            if attempt and limit is not None:
+                resolve_left -= solve_s
+            info = {"time_limit": this_limit, "solve_seconds": round(solve_s, 3)}
             if not plan.within_budget:
-                if attempt == 0:
+                if solve_budget >= budget:
                     _raise_infeasible(graph, plan, budget, o)
                 attempts.append({"solve_budget": solve_budget, "predicted": None,
-                                 "measured": None})
+                                 "measured": None, **info})
                 no_plan = solve_budget
-                # no plan this low: try halfway back up
-                nxt = (solve_budget + (too_high or budget)) // 2
-                if (too_high or budget) - nxt < 0.002 * budget:
-                    break
+                if too_high is None:
+                    nxt = budget  # nothing fits the target: the budget itself (or the error)
+                else:
+                    # no plan this low: try halfway back up
+                    nxt = (solve_budget + too_high) // 2
+                    if too_high - nxt < 0.002 * budget:
+                        break
                 solve_budget = nxt
                 continue
             tr = time.perf_counter()
@@ -403,7 +441,7 @@ class OptimizedStep:
                 del x, y
             attempts.append({"solve_budget": solve_budget, "predicted": plan.peak_memory,
                              "measured": None if measured is None
-                             else measured["step_peak_bytes"]})
+                             else measured["step_peak_bytes"], **info})
             cand = _Built(ex, plan, step, solve_budget, measured, attempts, {})
             if measured is None:
                 accepted = cand
