@@ -5,8 +5,10 @@ Pipeline: :func:`tf_remat.extract.extract` (trace + cost the step) ->
 :func:`tf_remat.rewrite.rewrite` (a static step that runs the plan) -> a measured check: the
 step is run once on synthetic data (the model's variables are saved before and restored after)
 and, when TensorFlow's measured peak is over the budget, the plan is solved again with the budget
-lowered by the measured excess (the simulator does not see every temporary buffer, so the
-measured peak of a step can exceed its simulated peak by a few percent).
+lowered by the measured excess. The simulator counts the bytes the step's kernels request
+(``tools/bench_spread.py`` checks this against TensorFlow's profiler); the allocator hands out
+whole free chunks up to twice a request, so the measured peak of the same step is above that,
+by an amount that changes with what was allocated before.
 
 After ``optimize``, ``model.fit`` trains with the rewritten step (see :meth:`OptimizedStep.attach`).
 """
@@ -26,7 +28,8 @@ from typing import Any
 from tf_remat._units import format_bytes
 from tf_remat.errors import InfeasibleBudgetError, RematError, UnsupportedOpError
 
-__all__ = ["optimize", "OptimizedStep", "detach", "measure_step_peak", "solve_isolated"]
+__all__ = ["optimize", "OptimizedStep", "detach", "measure_step_peak", "step_allocations",
+           "solve_isolated"]
 
 #: attempts at meeting the budget as measured (each solves again with a lower budget)
 _MAX_ATTEMPTS = 6
@@ -580,6 +583,75 @@ def measure_step_peak(step, x, y, *, variables=(), runs: int = 1, warmup: int = 
     return {"device": device, "peak_bytes": peaks[k], "current_before": befores[k],
             "owned_bytes": int(owned), "step_peak_bytes": int(peaks[k] - befores[k] + owned),
             "seconds": float(np.median(times)), "layouts": layouts}
+
+
+def step_allocations(step, x, y, *, variables=()) -> dict:
+    """One run of ``step(x, y)`` under TensorFlow's profiler: what its allocations asked for
+    and what the allocator gave them. The variables are restored after.
+
+    Returns a dict: ``requested_peak_bytes``, the peak over the step of the bytes its kernels
+    requested and still hold (the quantity :func:`tf_remat.plan.simulate` models);
+    ``held_peak_bytes``, the same for the chunks the allocator handed out (TensorFlow's BFC
+    allocator gives a whole free chunk when it is less than twice the request, so this is what
+    ``get_memory_info`` counts); ``owned_bytes``, the variables, which the step does not
+    allocate; ``allocations``, how many allocations the step made. Add ``owned_bytes`` and the
+    batch's bytes to compare with a budget. Only allocations made during the step count.
+    """
+    import numpy as np
+    import tensorflow as tf
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    from tf_remat.extract import counted_bytes, current_device_kind
+
+    kind = current_device_kind()
+    saved = [np.array(v.numpy(), copy=True) for v in variables]
+    owned = sum(counted_bytes(int(v.shape.num_elements() or 0) * v.dtype.size, kind)
+                for v in variables)
+    try:
+        _block(step(x, y))  # a function's first call allocates its own state: not the step
+        with tempfile.TemporaryDirectory(prefix="tf_remat_trace_") as logdir:
+            tf.profiler.experimental.start(logdir)
+            try:
+                _block(step(x, y))
+            finally:
+                tf.profiler.experimental.stop()
+            space = xplane_pb2.XSpace()
+            for d, _, files in os.walk(logdir):
+                for f in files:
+                    if f.endswith(".xplane.pb"):
+                        with open(os.path.join(d, f), "rb") as fh:
+                            space.ParseFromString(fh.read())
+    finally:
+        _restore(variables, saved)
+    events = []
+    for plane in space.planes:
+        stat_name = {k: m.name for k, m in plane.stat_metadata.items()}
+        event_name = {k: m.name for k, m in plane.event_metadata.items()}
+        for line in plane.lines:
+            for ev in line.events:
+                what = event_name.get(ev.metadata_id, "")
+                if what in ("MemoryAllocation", "MemoryDeallocation"):
+                    st = {stat_name.get(s.metadata_id): s.int64_value or s.uint64_value
+                          for s in ev.stats}
+                    events.append((line.timestamp_ns * 1000 + ev.offset_ps,
+                                   what == "MemoryAllocation", st))
+    if not events:
+        raise RematError("TensorFlow's profiler recorded no memory events for the step")
+    events.sort(key=lambda e: e[0])
+    live, req, held, best_req, best_held, count = {}, 0, 0, 0, 0, 0
+    for _, alloc, st in events:
+        if alloc:
+            live[st.get("addr")] = (st.get("requested_bytes", 0), st.get("allocation_bytes", 0))
+            req += live[st.get("addr")][0]
+            held += live[st.get("addr")][1]
+            count += 1
+        elif st.get("addr") in live:  # memory allocated before the step is not the step's
+            r, h = live.pop(st.get("addr"))
+            req -= r
+            held -= h
+        best_req, best_held = max(best_req, req), max(best_held, held)
+    return {"requested_peak_bytes": int(best_req), "held_peak_bytes": int(best_held),
+            "owned_bytes": int(owned), "allocations": count}
 
 
 # --------------------------------------------------------------------- solving
