@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -98,7 +99,12 @@ def main(argv=None) -> int:
 def _row(proc, name, size, b0, seconds):
     """The child's JSON line, or an error row with its last stderr line."""
     if proc.returncode != 0:
-        err = (proc.stderr.strip().splitlines() or ["?"])[-1][:160]
+        lines = proc.stderr.strip().splitlines() or ["?"]
+        # the error, not the last warning TensorFlow printed
+        errors = [line for line in lines if re.match(r"\s*[\w.]*(Error|Exception)\b", line)]
+        err = (errors or lines)[-1].strip()[:160]
+        if proc.returncode < 0:
+            err = f"killed by signal {-proc.returncode}; last line: {err}"
         return {"model": name, "input": size, "b0": b0, "error": err, "seconds": seconds}
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
