@@ -33,8 +33,8 @@ __all__ = ["optimize", "OptimizedStep", "detach", "measure_step_peak", "step_all
 
 #: attempts at meeting the budget as measured (each solves again with a lower budget)
 _MAX_ATTEMPTS = 6
-#: re-solves after the first share this many ``time_limit``s in all (and each gets at most
-#: half of one), so that solving takes at most 2 x ``time_limit`` however many re-solves run
+#: re-solves after the first share this many ``time_limit``s in all (each gets at most half
+#: of one) once a step within the budget exists; before that, meeting the budget comes first
 _RESOLVE_SHARE = 1.0
 #: verification aims this fraction under the budget; a plan within the budget but not the
 #: margin is taken when no plan within the margin is found. Measured in allocation histories
@@ -48,11 +48,6 @@ _MEASURE_MARGIN = 0.05
 _MEASURE_MARGIN_LARGEST = 0.5
 _MAX_MARGIN = 0.15
 
-
-def verification_margin(budget: int, largest: int) -> float:
-    """The fraction of ``budget`` that ``optimize`` keeps free when it verifies a plan whose
-    graph's largest value is ``largest`` bytes."""
-    return min(_MAX_MARGIN, max(_MEASURE_MARGIN, _MEASURE_MARGIN_LARGEST * largest / budget))
 #: measured runs of the rewritten step per allocator layout when verifying (the largest counts)
 _MEASURE_RUNS = 2
 #: verification measures the step beside a held "ballast" tensor of these fractions of the
@@ -65,6 +60,12 @@ _MEASURE_BALLAST = (0.0, 0.6, 1.0)
 #: and beside fragmented memory: tensors of these fractions allocated in turn and every other
 #: one freed, which leaves free chunks of odd sizes between the held ones
 _MEASURE_FRAGMENTS = (0.31, 0.07, 0.45, 0.12, 0.26, 0.05, 0.38, 0.19, 0.09, 0.48, 0.22, 0.15)
+
+
+def verification_margin(budget: int, largest: int) -> float:
+    """The fraction of ``budget`` that ``optimize`` keeps free when it verifies a plan whose
+    graph's largest value is ``largest`` bytes."""
+    return min(_MAX_MARGIN, max(_MEASURE_MARGIN, _MEASURE_MARGIN_LARGEST * largest / budget))
 
 
 def verification_layouts(largest: int) -> list:
@@ -559,8 +560,7 @@ def measure_step_peak(step, x, y, *, variables=(), runs: int = 1, warmup: int = 
     # copies, not views: a NumPy view of a variable's buffer makes TensorFlow copy the variable
     # when the step updates it (copy on write), which the step itself would not do
     saved = [np.array(v.numpy(), copy=True) for v in variables]
-    owned = sum(counted_bytes(int(v.shape.num_elements() or 0) * v.dtype.size, kind)
-                for v in variables)
+    owned = _owned_bytes(variables, kind)
     owned += sum(counted_bytes(int(np.prod(t.shape)) * t.dtype.size, kind)
                  for t in tf.nest.flatten((x, y)))
     peaks, befores, times, layouts = [], [], [], []
@@ -615,12 +615,11 @@ def step_allocations(step, x, y, *, variables=()) -> dict:
     import tensorflow as tf
     from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
-    from tf_remat.extract import counted_bytes, current_device_kind
+    from tf_remat.extract import current_device_kind
 
     kind = current_device_kind()
     saved = [np.array(v.numpy(), copy=True) for v in variables]
-    owned = sum(counted_bytes(int(v.shape.num_elements() or 0) * v.dtype.size, kind)
-                for v in variables)
+    owned = _owned_bytes(variables, kind)
     try:
         _block(step(x, y))  # a function's first call allocates its own state: not the step
         with tempfile.TemporaryDirectory(prefix="tf_remat_trace_") as logdir:
@@ -823,6 +822,14 @@ def _batch_of(x) -> int:
     if shape is None or len(shape) == 0:
         return 1
     return int(shape[0])
+
+
+def _owned_bytes(variables, kind) -> int:
+    """Bytes the variables hold as TensorFlow counts them: the step's own, not allocated by it."""
+    from tf_remat.extract import counted_bytes
+
+    return sum(counted_bytes(int(v.shape.num_elements() or 0) * v.dtype.size, kind)
+               for v in variables)
 
 
 def _restore(variables, values):
