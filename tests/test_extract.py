@@ -110,7 +110,9 @@ def test_graph_valid_and_solver_sized(name, tmp_path):
     assert all(m >= 0 for m in g.memory) and g.fixed_memory > 0
     assert g.no_remat_peak > g.fixed_memory
     assert any(g.backward) and not all(g.backward)
-    assert all(c > 0 for c in g.cost)
+    # a node with no ops holds a kernel's scratch space (extract.with_workspace_nodes): free
+    assert all((c > 0) == bool(ops) for c, ops in zip(g.cost, ex.op_map.nodes))
+    assert all(g.names[v].endswith("/workspace") for v in range(g.n) if not ex.op_map.nodes[v])
     # JSON round trip of graph and op map
     path = tmp_path / "g.json"
     ex.save(path)
@@ -238,7 +240,7 @@ def test_missing_loss_is_a_clear_error():
 
 
 # --------------------------------------------------------------------- memory vs TensorFlow
-def measured_peak_layouts(ex, fractions=(0.0, 0.3, 0.6, 1.0, 1.4)):
+def measured_peak_layouts(ex, fractions=(0.0, 0.3, 0.6, 1.0, 1.4), step=None):
     """The step's measured peak beside a held ballast of each fraction of its largest value.
 
     TensorFlow's BFC allocator hands out a free chunk less than twice a request whole and counts
@@ -252,7 +254,7 @@ def measured_peak_layouts(ex, fractions=(0.0, 0.3, 0.6, 1.0, 1.4)):
     x = _random_like(ex.traced.input_spec, seed=1)
     y = _random_like(ex.traced.label_spec, seed=2, labels=10)
     big = max(ex.graph.memory)
-    m = measure_step_peak(ex.traced.function, x, y, variables=ex.traced.variables,
+    m = measure_step_peak(step or ex.traced.function, x, y, variables=ex.traced.variables,
                           ballast=[int(f * big) for f in fractions])
     # the step's own growth: without its variables and batch, which the caller adds back
     return [p - m["owned_bytes"] for p in m["layouts"]]
@@ -263,14 +265,30 @@ def measured_peak_layouts(ex, fractions=(0.0, 0.3, 0.6, 1.0, 1.4)):
 def test_predicted_peak_matches_tensorflow(name):
     # Other tests' models live in this process too, so the step's own peak is the growth over
     # what was allocated before it, plus the step's resident memory (variables, batch).
+    from tf_remat.rewrite import rewrite
+    from tf_remat.solvers import solve
+
     ex = extracted(name)
     g = ex.graph
-    peaks = [p + g.fixed_memory for p in measured_peak_layouts(ex)]
-    assert abs(g.no_remat_peak - min(peaks)) <= 0.15 * min(peaks), (g.no_remat_peak, peaks)
+    # the graph's own order, run as a rewritten step runs it: one op after another
+    plan = solve(g, g.no_remat_peak, "checkpoint-all")
+    assert plan.peak_memory == g.no_remat_peak
+    step = rewrite(ex.traced, g, ex.op_map, plan)
+    peaks = [p + g.fixed_memory for p in measured_peak_layouts(ex, step=step)]
+    # a kernel's scratch buffer may be handed any free chunk under twice its size (without
+    # oneDNN, ~27 MiB for a filter-gradient convolution; with oneDNN, ~0)
+    scratch = ex.info["workspace_bytes"]
+    assert abs(g.no_remat_peak - min(peaks)) <= 0.15 * min(peaks) + scratch, \
+        (g.no_remat_peak, peaks, scratch)
     # the allocator's rounding only ever adds, and less than the request each time: a chunk is
     # handed out whole only when it is under twice the request (one full-suite run measured
     # +63% in its worst layout)
     assert max(peaks) < 2 * g.no_remat_peak, (g.no_remat_peak, peaks)
+    # the plain step runs independent ops side by side: without oneDNN, two filter-gradient
+    # convolutions at once hold two ~27 MiB scratch buffers, which no sequential order does
+    plain = min(p + g.fixed_memory for p in measured_peak_layouts(ex))
+    assert 0.85 * g.no_remat_peak <= plain <= 1.15 * g.no_remat_peak + 2 * scratch, \
+        (g.no_remat_peak, plain, scratch)
 
 
 # --------------------------------------------------------------------- profiling

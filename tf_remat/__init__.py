@@ -4,12 +4,21 @@ The core (graphs, strategies, plans) imports no TensorFlow; ``optimize``, ``extr
 ``max_batch_size`` load it on first use.
 """
 
-from tf_remat import errors
-from tf_remat.errors import (GraphError, InfeasibleBudgetError, PlanError, RematError,
+import os as _os
+
+# TensorFlow counts CPU memory (``get_memory_info('CPU:0')``, which ``optimize`` verifies plans
+# with) only when its CPU allocator is the BFC allocator, its default only where it turns oneDNN
+# on, which depends on the CPU: on an AVX2-only AMD EPYC it does not, and ``optimize`` could
+# measure nothing. TensorFlow reads this when it creates the allocator, at the first tensor, so
+# it takes effect when tf_remat is imported before the model is built.
+_os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
+
+from tf_remat import errors  # noqa: E402
+from tf_remat.errors import (GraphError, InfeasibleBudgetError, PlanError, RematError,  # noqa: E402
                              SolverTimeoutError, StrategyError, UnsupportedOpError)
-from tf_remat.graph import Graph, load_graph
-from tf_remat.plan import Plan, Schedule, explain, load_plan, simulate
-from tf_remat.solvers import available_strategies, get_strategy, solve
+from tf_remat.graph import Graph, load_graph  # noqa: E402
+from tf_remat.plan import Plan, Schedule, explain, load_plan, simulate  # noqa: E402
+from tf_remat.solvers import available_strategies, get_strategy, solve  # noqa: E402
 
 __version__ = "0.1.0"
 

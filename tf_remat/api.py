@@ -167,8 +167,9 @@ class OptimizedStep:
         plan, graph: the :class:`~tf_remat.plan.Plan` and :class:`~tf_remat.graph.Graph` of the
             step at the spec's batch size (``plan.save(path)`` / ``graph.save(path)``).
         report: a dict: ``strategy, status, budget_bytes, predicted_peak_bytes,
-            baseline_peak_bytes, predicted_overhead, solve_seconds`` and, when the step was
-            verified, ``measured_peak_bytes``; also ``nodes, recomputed_nodes, attempts,
+            baseline_peak_bytes, predicted_overhead, solve_seconds``; ``verified`` (whether
+            the step's peak was measured: not with ``verify=False``, nor when TensorFlow keeps
+            no memory statistics for the device) and then ``measured_peak_bytes``; also ``nodes, recomputed_nodes, attempts,
             total_solve_seconds`` (all attempts' solves, their processes included),
             ``extract_seconds, rewrite_seconds``. ``predicted_overhead`` is the recomputation's
             share of the step (plan cost / sum of node costs - 1); running the plan in a static
@@ -244,6 +245,7 @@ class OptimizedStep:
                "predicted_overhead": plan.overhead, "solve_seconds": plan.solve_seconds}
         if b.measured is not None:
             rep["measured_peak_bytes"] = b.measured["step_peak_bytes"]
+        rep["verified"] = b.measured is not None
         rep.update({"solve_budget_bytes": b.solve_budget, "nodes": graph.n,
                     "recomputed_nodes": sum(1 for c in counts if c > 1),
                     "attempts": len(b.attempts),
@@ -377,11 +379,18 @@ class OptimizedStep:
         return cache[batch]
 
     def _build(self, batch, apply_updates) -> _Built:
-        from tf_remat.extract import _with_batch, extract
+        from tf_remat.extract import (_with_batch, current_device_kind, extract,
+                                      memory_stats_missing)
         from tf_remat.rewrite import rewrite
 
         o = self._opts
         verbose = o["verbose"]
+        # without TensorFlow's memory statistics nothing can be measured: the plan still aims
+        # under the budget by the margin, and the report says it was not verified
+        unmeasurable = o["verify"] and memory_stats_missing(f"{current_device_kind()}:0")
+        if unmeasurable:
+            self._warn_once("unverified", f"tf-remat: the plan is not verified by measurement. "
+                                          f"{unmeasurable}")
         t0 = time.perf_counter()
         ispec = _with_batch(self.input_spec, batch)
         lspec = _with_batch(self.label_spec, batch)
@@ -450,7 +459,7 @@ class OptimizedStep:
             step = rewrite(ex.traced, graph, ex.op_map, plan, chain=o["chain"])
             rewrite_s += time.perf_counter() - tr
             measured = None
-            if o["verify"]:
+            if o["verify"] and not unmeasurable:
                 x, y = _synthetic_batch(ispec, lspec)
                 big = max(graph.memory) if graph.n else 0
                 measured = measure_step_peak(step, x, y, variables=ex.traced.variables,
@@ -553,9 +562,10 @@ def measure_step_peak(step, x, y, *, variables=(), runs: int = 1, warmup: int = 
     import numpy as np
     import tensorflow as tf
 
-    from tf_remat.extract import counted_bytes, current_device_kind
+    from tf_remat.extract import counted_bytes, current_device_kind, require_memory_stats
 
     device = device or f"{current_device_kind()}:0"
+    require_memory_stats(device)
     kind = device.split(":")[0]
     # copies, not views: a NumPy view of a variable's buffer makes TensorFlow copy the variable
     # when the step updates it (copy on write), which the step itself would not do
@@ -612,45 +622,21 @@ def step_allocations(step, x, y, *, variables=()) -> dict:
     batch's bytes to compare with a budget. Only allocations made during the step count.
     """
     import numpy as np
-    import tensorflow as tf
-    from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
-    from tf_remat.extract import current_device_kind
+    from tf_remat.extract import (current_device_kind, profiled_memory_events,
+                                  require_memory_stats)
 
     kind = current_device_kind()
+    require_memory_stats(f"{kind}:0")  # the profiler's memory events come from the same stats
     saved = [np.array(v.numpy(), copy=True) for v in variables]
     owned = _owned_bytes(variables, kind)
     try:
         _block(step(x, y))  # a function's first call allocates its own state: not the step
-        with tempfile.TemporaryDirectory(prefix="tf_remat_trace_") as logdir:
-            tf.profiler.experimental.start(logdir)
-            try:
-                _block(step(x, y))
-            finally:
-                tf.profiler.experimental.stop()
-            space = xplane_pb2.XSpace()
-            for d, _, files in os.walk(logdir):
-                for f in files:
-                    if f.endswith(".xplane.pb"):
-                        with open(os.path.join(d, f), "rb") as fh:
-                            space.ParseFromString(fh.read())
+        events = profiled_memory_events(lambda: _block(step(x, y)))
     finally:
         _restore(variables, saved)
-    events = []
-    for plane in space.planes:
-        stat_name = {k: m.name for k, m in plane.stat_metadata.items()}
-        event_name = {k: m.name for k, m in plane.event_metadata.items()}
-        for line in plane.lines:
-            for ev in line.events:
-                what = event_name.get(ev.metadata_id, "")
-                if what in ("MemoryAllocation", "MemoryDeallocation"):
-                    st = {stat_name.get(s.metadata_id): s.int64_value or s.uint64_value
-                          for s in ev.stats}
-                    events.append((line.timestamp_ns * 1000 + ev.offset_ps,
-                                   what == "MemoryAllocation", st))
     if not events:
         raise RematError("TensorFlow's profiler recorded no memory events for the step")
-    events.sort(key=lambda e: e[0])
     live, req, held, best_req, best_held, count = {}, 0, 0, 0, 0, 0
     for _, alloc, st in events:
         if alloc:
@@ -842,11 +828,9 @@ def _restore(variables, values):
 
 
 def _block(out):
-    import tensorflow as tf
+    from tf_remat.extract import block
 
-    for t in tf.nest.flatten(out):
-        if hasattr(t, "numpy"):
-            t.numpy()
+    block(out)
 
 
 def _synthetic_batch(input_spec, label_spec):

@@ -431,6 +431,9 @@ def extract(model, *, input_spec, label_spec, loss=None, optimizer=None,
     else:
         costs, pinfo = _profile.flops_costs(traced, op_map)
     t3 = time.perf_counter()
+    workspace = measure_workspace(traced, op_map)
+    graph_fields, op_map, costs = with_workspace_nodes(graph_fields, op_map, costs, workspace)
+    t4 = time.perf_counter()
     batch = _first_dim(input_spec)
     gname = name or f"{_safe_name(model.name)}_b{batch}"
     graph = Graph(cost=costs, name=gname, **graph_fields)
@@ -438,6 +441,8 @@ def extract(model, *, input_spec, label_spec, loss=None, optimizer=None,
             "node_ops": sum(len(o) for o in op_map.nodes), "fixed_ops": len(op_map.fixed_ops),
             "dead_ops": len(op_map.dead_ops), "nodes": graph.n, "edges": len(graph.edges),
             "trace_seconds": t1 - t0, "group_seconds": t2 - t1, "cost_seconds": t3 - t2,
+            "workspace_nodes": sum(1 for b in workspace if b),
+            "workspace_bytes": max(workspace, default=0), "workspace_seconds": t4 - t3,
             "cost_model": cost_model, **pinfo}
     return Extraction(graph=graph, op_map=op_map, traced=traced, info=info)
 
@@ -457,6 +462,198 @@ def extract_graph(model, *, input_spec, label_spec, loss=None, optimizer=None,
                    optimizer=optimizer, cost_model=cost_model, verbose=verbose).graph
 
 
+def profiled_memory_events(run) -> list:
+    """Call ``run()`` once under TensorFlow's profiler; its allocator events, in time order.
+
+    Each event is ``(time_ps, is_allocation, stats)``; ``stats`` holds the profiler's fields:
+    ``addr``, ``requested_bytes`` (what the kernel asked for), ``allocation_bytes`` (the chunk
+    the allocator handed out), ``tf_op`` (the op that allocated), ``region_type`` (``output``
+    for an op's result, ``temp`` for its scratch space), ``shape``. Empty when TensorFlow keeps
+    no memory statistics for the device.
+    """
+    import tempfile
+
+    import tensorflow as tf
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    with tempfile.TemporaryDirectory(prefix="tf_remat_trace_") as logdir:
+        tf.profiler.experimental.start(logdir)
+        try:
+            run()
+        finally:
+            tf.profiler.experimental.stop()
+        space = xplane_pb2.XSpace()
+        for d, _, files in os.walk(logdir):
+            for f in files:
+                if f.endswith(".xplane.pb"):
+                    with open(os.path.join(d, f), "rb") as fh:
+                        space.ParseFromString(fh.read())
+    events = []
+    for plane in space.planes:
+        stat_name = {k: m.name for k, m in plane.stat_metadata.items()}
+        event_name = {k: m.name for k, m in plane.event_metadata.items()}
+        for line in plane.lines:
+            for ev in line.events:
+                what = event_name.get(ev.metadata_id, "")
+                if what not in ("MemoryAllocation", "MemoryDeallocation"):
+                    continue
+                st = {}
+                for s in ev.stats:
+                    kind = s.WhichOneof("value")
+                    st[stat_name.get(s.metadata_id)] = (
+                        stat_name.get(s.ref_value) if kind == "ref_value"
+                        else getattr(s, kind) if kind else 0)
+                events.append((line.timestamp_ns * 1000 + ev.offset_ps,
+                               what == "MemoryAllocation", st))
+    events.sort(key=lambda e: e[0])
+    return events
+
+
+def measure_workspace(traced: TracedStep, op_map: OpMap, *, x=None, y=None) -> list:
+    """Per node, the scratch bytes its kernels allocate while it runs, from one run of the
+    traced step under TensorFlow's profiler (the variables are restored after).
+
+    A kernel's scratch space (``temp`` allocations) is freed before the node ends, so it is no
+    value of the graph; but it is memory the step holds while the node runs, and some kernels
+    need a lot: without oneDNN, TensorFlow's CPU Conv2DBackpropFilter takes a ~30 MB im2col
+    buffer whatever the layer's size; on a GPU, cuDNN takes convolution workspaces. The
+    figure is the most a node's ops hold at once, rounded as the allocator counts. All zeros
+    when TensorFlow keeps no memory statistics for the device or the profiler is busy.
+    """
+    import warnings
+
+    import numpy as np
+
+    kind = current_device_kind()
+    ws = [0] * op_map.n
+    if memory_stats_missing(f"{kind}:0"):
+        return ws
+    if x is None:
+        x = _random_like(traced.input_spec, seed=1)
+    if y is None:
+        y = _random_like(traced.label_spec, seed=2, labels=_num_classes(traced))
+    fn = traced.function
+    saved = [np.array(v.numpy(), copy=True) for v in traced.variables]
+
+    def run():
+        out = fn(x, y)
+        block(out)
+
+    try:
+        run()  # the first call builds kernels and allocates the function's own state
+        events = profiled_memory_events(run)
+    except Exception as exc:  # noqa: BLE001 (a profiler already running, say: costs nothing)
+        warnings.warn(f"tf-remat: kernel scratch space not measured ({exc}); the plan counts "
+                      "none", stacklevel=3)
+        return ws
+    finally:
+        for v, s in zip(traced.variables, saved):
+            v.assign(np.array(s, copy=True))
+    node_of = op_map.node_of()
+    live, held = {}, [0] * op_map.n
+    for _, alloc, st in events:
+        if alloc:
+            v = node_of.get(st.get("tf_op"))
+            if v is None or st.get("region_type") != "temp":
+                continue
+            b = counted_bytes(int(st.get("requested_bytes", 0)), kind)
+            live[st.get("addr")] = (v, b)
+            held[v] += b
+            ws[v] = max(ws[v], held[v])
+        elif st.get("addr") in live:
+            v, b = live.pop(st.get("addr"))
+            held[v] -= b
+    return ws
+
+
+def block(out):
+    """Wait for a step's outputs (their values are read back)."""
+    import tensorflow as tf
+
+    for t in tf.nest.flatten(out):
+        if hasattr(t, "numpy"):
+            t.numpy()
+
+
+def with_workspace_nodes(fields: dict, op_map: OpMap, costs, workspace) -> tuple:
+    """Give each node with scratch space a zero-cost node before it that holds it.
+
+    Node ``w`` (memory: the scratch bytes) reads what ``v`` reads, and only ``v`` reads ``w``;
+    so whenever ``v`` is computed, ``w`` is resident beside ``v``'s inputs and output, and it
+    is freed right after. That is the scratch space's lifetime in the step, expressed in the
+    graph every solver and the simulator already understand, with no new term in any of them.
+    Ids are renumbered so that ascending ids stay a topological order; ``w``'s op list is
+    empty (a rewritten step emits nothing for it).
+
+    Returns ``(fields, op_map, costs)``.
+    """
+    n = len(costs)
+    if not any(workspace):
+        return fields, op_map, list(costs)
+    new_id, old_of = [0] * n, []
+    for v in range(n):
+        if workspace[v]:
+            old_of.append(("ws", v))
+        new_id[v] = len(old_of)
+        old_of.append(("node", v))
+    preds = [[] for _ in range(n)]
+    for u, v in fields["edges"]:
+        preds[v].append(u)
+    ws_id = {v: new_id[v] - 1 for v in range(n) if workspace[v]}
+    edges = [(new_id[u], new_id[v]) for u, v in fields["edges"]]
+    for v, w in ws_id.items():
+        edges += [(new_id[u], w) for u in preds[v]]
+        edges.append((w, new_id[v]))
+
+    def expand(values, ws_value):
+        return [ws_value(v) if what == "ws" else values[v] for what, v in old_of]
+
+    names = fields.get("names") or [str(v) for v in range(n)]
+    out = dict(fields)
+    out.update(
+        memory=expand(fields["memory"], lambda v: int(workspace[v])),
+        edges=sorted(edges), order=list(range(len(old_of))),
+        outputs=[new_id[o] for o in fields["outputs"]],
+        backward=expand(fields["backward"], lambda v: fields["backward"][v]),
+        recomputable=expand(fields["recomputable"], lambda v: True),
+        names=expand(names, lambda v: f"{names[v]}/workspace"))
+    m = dataclasses.replace(
+        op_map, nodes=expand(op_map.nodes, lambda v: ()),
+        buffers=expand(op_map.buffers, lambda v: ()) if op_map.buffers else op_map.buffers)
+    return out, m, expand(list(costs), lambda v: 0.0)
+
+
+def memory_stats_missing(device: str) -> str | None:
+    """Why TensorFlow cannot count ``device``'s memory in this process, or None when it can.
+
+    TensorFlow keeps allocator statistics (``get_memory_info``) for the CPU only when its CPU
+    allocator is the BFC allocator; ``import tf_remat`` asks for it, but TensorFlow decides when
+    it creates its first tensor, which may have happened before.
+    """
+    import tensorflow as tf
+
+    try:
+        tf.config.experimental.get_memory_info(device)
+        return None
+    except ValueError:
+        pass
+    if device.upper().startswith("CPU"):
+        return (f"TensorFlow keeps no memory statistics for {device} in this process: its CPU "
+                "allocator is not the BFC allocator (TensorFlow's default only where it turns "
+                "oneDNN on, which depends on the CPU). Set the environment variable "
+                "TF_CPU_ALLOCATOR_USE_BFC=true before TensorFlow creates its first tensor: "
+                "import tf_remat before building the model, or export it in the shell")
+    return f"TensorFlow keeps no memory statistics for {device} in this process"
+
+
+def require_memory_stats(device: str) -> None:
+    """Raise :class:`~tf_remat.errors.RematError` saying what to change when TensorFlow cannot
+    count ``device``'s memory (see :func:`memory_stats_missing`)."""
+    why = memory_stats_missing(device)
+    if why:
+        raise RematError(why)
+
+
 def measure_step(traced: TracedStep, *, runs: int = 5, x=None, y=None) -> dict:
     """Run the traced step on random data; measured peak memory (bytes) and median step time.
 
@@ -472,6 +669,7 @@ def measure_step(traced: TracedStep, *, runs: int = 5, x=None, y=None) -> dict:
     import tensorflow as tf
 
     device = "GPU:0" if tf.config.list_logical_devices("GPU") else "CPU:0"
+    require_memory_stats(device)
     if x is None:
         x = _random_like(traced.input_spec, seed=1)
     if y is None:

@@ -84,14 +84,16 @@ def profile_nodes(traced, op_map, *, verbose: int = 1, runs: int = 5, warmup: in
     table = _load_cache(path) if cache else {}
     specs, sigs = [], []
     for ops in op_map.nodes:
-        spec = _NodeSpec(fgraph, ops, traced)
+        # no ops: a kernel's scratch space (extract.with_workspace_nodes), which costs nothing
+        spec = _NodeSpec(fgraph, ops, traced) if ops else None
         specs.append(spec)
-        sigs.append(spec.signature)
-    unique = list(dict.fromkeys(sigs))
+        sigs.append(spec.signature if ops else None)
+    unique = [s for s in dict.fromkeys(sigs) if s is not None]
     todo = [s for s in unique if s not in table]
     first = {}
     for spec in specs:
-        first.setdefault(spec.signature, spec)
+        if spec is not None:
+            first.setdefault(spec.signature, spec)
     bar = None
     if verbose and todo:
         import keras
@@ -123,6 +125,9 @@ def profile_nodes(traced, op_map, *, verbose: int = 1, runs: int = 5, warmup: in
     est = None
     costs = []
     for spec, sig in zip(specs, sigs):
+        if spec is None:
+            costs.append(0.0)
+            continue
         c = table.get(sig)
         if c is None:  # the node could not be run alone: fall back to the estimate
             if est is None:
@@ -143,7 +148,7 @@ def flops_costs(traced, op_map):
     """
     fgraph = traced.function.graph
     model = _FlopsModel()
-    costs = [model.node_cost([fgraph.get_operation_by_name(n) for n in ops])
+    costs = [model.node_cost([fgraph.get_operation_by_name(n) for n in ops]) if ops else 0.0
              for ops in op_map.nodes]
     return costs, {"flops_model": dict(model.constants), "device_kind": model.kind}
 

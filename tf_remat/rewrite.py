@@ -224,6 +224,9 @@ def build_graph_def(traced, op_map, sequence, *, chain: str = "op"):
         ops = op_map.nodes[v]
         k = count[v]
         count[v] += 1
+        if not ops:  # a kernel's scratch space (extract.with_workspace_nodes): nothing to run
+            current[v] = k
+            continue
         if v not in in_node_sets:
             members = set(ops)
             # ops of this node fed by another op of the node (data or control)

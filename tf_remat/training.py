@@ -110,12 +110,17 @@ class EpochLog:
                 super().__init__()
                 self.device = device or memory_device()
                 self.rows = []
+                from tf_remat.extract import memory_stats_missing
+
+                # a process without memory statistics still trains; its log has no peaks
+                self.counting = memory_stats_missing(self.device) is None
 
             def on_epoch_begin(self, epoch, logs=None):
                 import tensorflow as tf
 
                 self._times = []
-                tf.config.experimental.reset_memory_stats(self.device)
+                if self.counting:
+                    tf.config.experimental.reset_memory_stats(self.device)
 
             def on_train_batch_begin(self, batch, logs=None):
                 self._t = time.perf_counter()
@@ -126,7 +131,8 @@ class EpochLog:
             def on_epoch_end(self, epoch, logs=None):
                 import tensorflow as tf
 
-                peak = int(tf.config.experimental.get_memory_info(self.device)["peak"])
+                peak = (int(tf.config.experimental.get_memory_info(self.device)["peak"])
+                        if self.counting else None)
                 times = self._times[1:] if len(self._times) > 2 else self._times
                 self.rows.append({"epoch": epoch + 1, "loss": float((logs or {}).get("loss", "nan")),
                                   "step_time_s": statistics.median(times) if times else 0.0,

@@ -54,7 +54,8 @@ def main(argv=None):
         return 2
     print("epoch,loss,step_time_s,peak_bytes")
     for r in rows:
-        print(f"{r['epoch']},{r['loss']:.6f},{r['step_time_s']:.4f},{r['peak_bytes']}")
+        peak = "" if r["peak_bytes"] is None else r["peak_bytes"]  # no memory statistics
+        print(f"{r['epoch']},{r['loss']:.6f},{r['step_time_s']:.4f},{peak}")
     if step is not None:
         print({k: v for k, v in step.report.items()})
     return 0

@@ -1,0 +1,138 @@
+"""Kernel scratch space as graph nodes, and TensorFlow's CPU memory statistics.
+
+The first tests need no TensorFlow. The last ones run Python in a child process, because which
+CPU allocator TensorFlow uses is settled once per process, at its first tensor.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tf_remat.extract import OpMap, with_workspace_nodes
+from tf_remat.graph import Graph
+from tf_remat.plan import simulate, steps_from_sequence
+from tf_remat.solvers import solve
+
+MiB = 2**20
+
+
+def chain_fields():
+    """a -> b -> c -> d (the loss), b -> d; b's kernel takes 5 MiB of scratch space."""
+    return dict(memory=[4 * MiB, 4 * MiB, 4 * MiB, 1 * MiB],
+                edges=[(0, 1), (1, 2), (2, 3), (1, 3)], order=[0, 1, 2, 3], outputs=[3],
+                fixed_memory=MiB, backward=[False, False, True, True],
+                recomputable=[True, True, True, False], names=["a", "b", "c", "d"])
+
+
+def test_workspace_node_sits_before_its_node_and_holds_the_scratch_only_while_it_runs():
+    fields = chain_fields()
+    op_map = OpMap(nodes=[["a"], ["b1", "b2"], ["c"], ["d"]])
+    f, m, costs = with_workspace_nodes(fields, op_map, [1.0, 2.0, 3.0, 4.0],
+                                       [0, 5 * MiB, 0, 0])
+    g = Graph(cost=costs, **f)
+    assert g.n == 5
+    assert g.names == ("a", "b/workspace", "b", "c", "d")
+    assert costs == [1.0, 0.0, 2.0, 3.0, 4.0]
+    assert m.nodes == (("a",), (), ("b1", "b2"), ("c",), ("d",))
+    assert g.memory[1] == 5 * MiB and g.recomputable == (True, True, True, True, False)
+    assert g.preds[1] == (0,) and g.succs[1] == (2,) and g.preds[2] == (0, 1)
+    assert g.outputs == (4,)
+    # in the plain order the scratch is resident beside b's input and output, then freed
+    sim = simulate(g, steps_from_sequence(g, g.order))
+    assert sim.peak_memory == MiB + 4 * MiB + 5 * MiB + 4 * MiB
+    steps = steps_from_sequence(g, g.order)
+    assert steps[sim.peak_step] == ("compute", 2)
+    c_at = steps.index(("compute", 3))
+    assert sim.timeline[c_at - 1] == MiB + 4 * MiB  # a and the scratch freed once b is done
+    # no plan can go below b with its input and its scratch
+    assert g.budget_lower_bound == MiB + 13 * MiB
+    # the same graph without scratch peaks lower: the node is what makes the plan honest
+    plain = Graph(cost=[1.0, 2.0, 3.0, 4.0], **fields)
+    assert plain.no_remat_peak == MiB + 4 * MiB + 4 * MiB + MiB < sim.peak_memory  # at d
+
+
+def test_solvers_recompute_a_workspace_node_with_its_node():
+    fields = chain_fields()
+    f, _, costs = with_workspace_nodes(fields, OpMap(nodes=[["a"], ["b"], ["c"], ["d"]]),
+                                       [1.0, 2.0, 3.0, 4.0], [0, 5 * MiB, 0, 0])
+    g = Graph(cost=costs, **f)
+    plan = solve(g, g.no_remat_peak, "checkmate-milp", time_limit=20)
+    assert plan.within_budget
+    counts = simulate(g, plan.steps).compute_counts
+    assert counts[1] == counts[2]  # b's scratch comes back whenever b is computed
+
+
+def test_no_scratch_leaves_the_graph_alone():
+    fields = chain_fields()
+    op_map = OpMap(nodes=[["a"], ["b"], ["c"], ["d"]])
+    f, m, costs = with_workspace_nodes(fields, op_map, [1, 2, 3, 4], [0, 0, 0, 0])
+    assert f is fields and m is op_map and costs == [1, 2, 3, 4]
+
+
+# --------------------------------------------------------------------- TensorFlow's statistics
+def _child(code, **env):
+    full = {k: v for k, v in os.environ.items() if k != "TF_CPU_ALLOCATOR_USE_BFC"}
+    full.update(TF_CPP_MIN_LOG_LEVEL="3", TF_ENABLE_ONEDNN_OPTS="0", **env)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=full, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_importing_tf_remat_first_gives_tensorflow_cpu_memory_statistics():
+    """With oneDNN off, TensorFlow's CPU allocator keeps no statistics unless asked to;
+    ``import tf_remat`` asks, so ``optimize`` can measure on any CPU."""
+    pytest.importorskip("tensorflow")
+    out = _child("import json, tf_remat, tensorflow as tf\n"
+                 "a = tf.ones((1024, 1024))\n"
+                 "print(json.dumps(tf.config.experimental.get_memory_info('CPU:0')))")
+    assert out["current"] >= 4 * MiB
+
+
+@pytest.mark.slow
+def test_without_statistics_optimize_says_so_and_still_builds_a_step():
+    pytest.importorskip("tensorflow")
+    code = r'''
+import json, warnings
+import numpy as np, tensorflow as tf
+tf.ones((4,))  # TensorFlow creates its CPU allocator before tf_remat is imported
+import keras, tf_remat
+from tf_remat.extract import memory_stats_missing
+why = memory_stats_missing("CPU:0")
+if why is None:  # this TensorFlow keeps statistics anyway: nothing to check
+    print(json.dumps({"skip": True}))
+    raise SystemExit(0)
+inp = keras.Input((64,))
+h = keras.layers.Dense(256, activation="relu")(inp)
+h = keras.layers.Dense(256, activation="relu")(h)
+model = keras.Model(inp, keras.layers.Dense(10)(h))
+model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+              optimizer="adam")
+xs, ys = tf.TensorSpec((512, 64)), tf.TensorSpec((512,), tf.int32)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    step = tf_remat.optimize(model, budget_bytes=10**9, input_spec=xs, label_spec=ys,
+                             strategy="linearized-greedy", cost_model="flops", verbose=0)
+    rep = step.report
+x = tf.constant(np.random.default_rng(0).standard_normal((512, 64)).astype("float32"))
+y = tf.constant(np.zeros(512, "int32"))
+loss = float(step(x, y))
+try:
+    step.measure(x, y)
+    error = ""
+except tf_remat.RematError as exc:
+    error = str(exc)
+print(json.dumps({"why": why, "verified": rep["verified"], "measured": "measured_peak_bytes" in rep,
+                  "warned": any("not verified" in str(w.message) for w in caught),
+                  "loss": loss, "error": error}))
+'''
+    out = _child(code)
+    if out.get("skip"):
+        pytest.skip("this TensorFlow keeps CPU memory statistics without the BFC allocator")
+    assert "TF_CPU_ALLOCATOR_USE_BFC" in out["why"] and "import tf_remat" in out["why"]
+    assert out["verified"] is False and not out["measured"] and out["warned"]
+    assert out["loss"] > 0
+    assert "TF_CPU_ALLOCATOR_USE_BFC" in out["error"]
