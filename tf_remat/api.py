@@ -169,9 +169,9 @@ class OptimizedStep:
         report: a dict: ``strategy, status, budget_bytes, predicted_peak_bytes,
             baseline_peak_bytes, predicted_overhead, solve_seconds``; ``verified`` (whether
             the step's peak was measured: not with ``verify=False``, nor when TensorFlow keeps
-            no memory statistics for the device) and then ``measured_peak_bytes``; also ``nodes, recomputed_nodes, attempts,
-            total_solve_seconds`` (all attempts' solves, their processes included),
-            ``extract_seconds, rewrite_seconds``. ``predicted_overhead`` is the recomputation's
+            no memory statistics for the device) and then ``measured_peak_bytes``; also
+            ``nodes, recomputed_nodes, attempts, total_solve_seconds`` (all attempts' solves,
+            their processes included), ``extract_seconds, rewrite_seconds``. ``predicted_overhead`` is the recomputation's
             share of the step (plan cost / sum of node costs - 1); running the plan in a static
             order costs more besides, since independent ops no longer run side by side (-4% to
             +34% on the zoo models on a 2-core CPU, ``benchmarks/results/rewrite.md``).
@@ -819,12 +819,9 @@ def _owned_bytes(variables, kind) -> int:
 
 
 def _restore(variables, values):
-    """Assign saved values back; each from a private copy, so no NumPy array outside shares
-    the variable's new buffer (which would make the next update copy it)."""
-    import numpy as np
+    from tf_remat.extract import restore_variables
 
-    for v, s in zip(variables, values):
-        v.assign(np.array(s, copy=True))
+    restore_variables(variables, values)
 
 
 def _block(out):

@@ -532,13 +532,8 @@ def measure_workspace(traced: TracedStep, op_map: OpMap, *, x=None, y=None) -> l
         x = _random_like(traced.input_spec, seed=1)
     if y is None:
         y = _random_like(traced.label_spec, seed=2, labels=_num_classes(traced))
-    fn = traced.function
     saved = [np.array(v.numpy(), copy=True) for v in traced.variables]
-
-    def run():
-        out = fn(x, y)
-        block(out)
-
+    run = lambda: block(traced.function(x, y))  # noqa: E731
     try:
         run()  # the first call builds kernels and allocates the function's own state
         events = profiled_memory_events(run)
@@ -547,8 +542,7 @@ def measure_workspace(traced: TracedStep, op_map: OpMap, *, x=None, y=None) -> l
                       "none", stacklevel=3)
         return ws
     finally:
-        for v, s in zip(traced.variables, saved):
-            v.assign(np.array(s, copy=True))
+        restore_variables(traced.variables, saved)
     node_of = op_map.node_of()
     live, held = {}, [0] * op_map.n
     for _, alloc, st in events:
@@ -564,6 +558,15 @@ def measure_workspace(traced: TracedStep, op_map: OpMap, *, x=None, y=None) -> l
             v, b = live.pop(st.get("addr"))
             held[v] -= b
     return ws
+
+
+def restore_variables(variables, values):
+    """Assign saved values back; each from a private copy, so no NumPy array outside shares
+    the variable's new buffer (which would make the next update copy it)."""
+    import numpy as np
+
+    for v, s in zip(variables, values):
+        v.assign(np.array(s, copy=True))
 
 
 def block(out):
