@@ -7,9 +7,8 @@ import pytest
 from conftest import shared_graph
 from tf_remat._units import parse_budget
 from tf_remat.cli import main
-from tf_remat.generators import linear_graph, random_dag
+from tf_remat.generators import linear_graph
 from tf_remat.plan import Plan, simulate
-from tf_remat.graph import Graph
 
 
 def run(*args):

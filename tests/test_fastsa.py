@@ -6,7 +6,6 @@ clone on the 2-core CI machine).
 
 import time
 
-import numpy as np
 import pytest
 
 from strategy_testing import run_strategy_test

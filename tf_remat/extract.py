@@ -33,7 +33,7 @@ import dataclasses
 import json
 import os
 import re
-from typing import Any, Sequence
+from typing import Any
 
 from tf_remat.errors import RematError, UnsupportedOpError
 from tf_remat.graph import Graph

@@ -205,7 +205,6 @@ def transformer_graph(layers: int = 4, *, batch: int = 8, seq: int = 512, hidden
             readers[u].append(w)
     saves_output = {"softmax", "gelu", "ln", "loss"}
     grad = {}
-    wgrad_of = dict(linears)
     outputs = []
     dloss = add("d/loss", B, 0.0, [loss], "grad")
     grad[loss] = dloss

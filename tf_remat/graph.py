@@ -16,7 +16,7 @@ import json
 import math
 import os
 from functools import cached_property
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 from tf_remat.errors import GraphError
 

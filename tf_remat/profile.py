@@ -304,7 +304,6 @@ class _NodeSpec:
     # ---------------------------------------------------------- build + run
     def build(self):
         """A concrete function running the node's ops, its arguments and captured variables."""
-        import numpy as np
         import tensorflow as tf
         from tensorflow.core.framework import graph_pb2
 

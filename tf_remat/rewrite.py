@@ -110,8 +110,6 @@ def rewrite(traced, graph, op_map, plan: Plan, *, chain: str = "op") -> Rewritte
         PlanError: the plan does not fit the graph (the simulator's message).
         RematError: the op map and the traced step disagree.
     """
-    import tensorflow as tf
-
     t0 = time.perf_counter()
     simulate(graph, plan.steps)  # raises PlanError on an invalid plan
     if op_map.n != graph.n:
@@ -297,7 +295,6 @@ def build_graph_def(traced, op_map, sequence, *, chain: str = "op"):
     for t in op_map.outputs:
         r = resolve(t, None, 0)
         outputs.append(r if ":" in r else r + ":0")
-    last = prev_tail[-1] if prev_tail else None
     info = {"node_ops": sum(len(o) for o in op_map.nodes), "ops_emitted": emitted,
             "recomputed_ops": emitted - sum(len(o) for o in op_map.nodes),
             "fixed_ops": len(fixed), "chain": chain, "chain_edges": chain_edges,

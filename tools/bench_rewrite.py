@@ -53,7 +53,6 @@ MIB = 2**20
 def run_case(name, batch, size, fractions, strategy, time_limit, runs, trace=True):
     """One model (in this process): baseline, then one row per budget fraction."""
     import numpy as np
-    import tensorflow as tf
 
     import tf_remat
     from tf_remat.api import measure_step_peak

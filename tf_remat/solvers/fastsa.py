@@ -307,6 +307,7 @@ def fastsa(graph: Graph, budget: int, *, time_limit=None, seed: int = 0, progres
         # on single nodes: cooler, local moves, steeper penalty
         n1 = per_run * 2 // 5
         stages = [(n1, t0, math.sqrt(t0 * t1)), (per_run - n1, math.sqrt(t0 * t1) * 0.5, t1)]
+        stage_state = state  # stage 1 reads what stage 0 ran on
         for si, (n_it, a, b) in enumerate(stages):
             run_state = state
             if si == 0 and groups is not None:
