@@ -75,7 +75,7 @@ def test_no_scratch_leaves_the_graph_alone():
 # --------------------------------------------------------------------- TensorFlow's statistics
 def _child(code, **env):
     full = {k: v for k, v in os.environ.items() if k != "TF_CPU_ALLOCATOR_USE_BFC"}
-    full.update(TF_CPP_MIN_LOG_LEVEL="3", TF_ENABLE_ONEDNN_OPTS="0", **env)
+    full.update({"TF_CPP_MIN_LOG_LEVEL": "3", "TF_ENABLE_ONEDNN_OPTS": "0", **env})
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env=full, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -87,9 +87,15 @@ def test_importing_tf_remat_first_gives_tensorflow_cpu_memory_statistics():
     ``import tf_remat`` asks, so ``optimize`` can measure on any CPU."""
     pytest.importorskip("tensorflow")
     out = _child("import json, tf_remat, tensorflow as tf\n"
+                 "from tf_remat.extract import onednn_enabled\n"
                  "a = tf.ones((1024, 1024))\n"
-                 "print(json.dumps(tf.config.experimental.get_memory_info('CPU:0')))")
+                 "info = tf.config.experimental.get_memory_info('CPU:0')\n"
+                 "print(json.dumps(dict(info, onednn=onednn_enabled())))")
     assert out["current"] >= 4 * MiB
+    assert out["onednn"] is False  # TF_ENABLE_ONEDNN_OPTS=0, and tf_remat reads it right
+    on = _child("import json\nfrom tf_remat.extract import onednn_enabled\n"
+                "print(json.dumps(onednn_enabled()))", TF_ENABLE_ONEDNN_OPTS="1")
+    assert on is True
 
 
 @pytest.mark.slow

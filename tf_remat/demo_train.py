@@ -229,7 +229,12 @@ def _device_name():
     import tensorflow as tf
 
     gpus = tf.config.list_physical_devices("GPU")
-    return "GPU:0" if gpus else f"CPU ({os.cpu_count()} cores)"
+    if gpus:
+        return "GPU:0"
+    from tf_remat.extract import onednn_enabled
+
+    onednn = {True: ", oneDNN on", False: ", oneDNN off"}.get(onednn_enabled(), "")
+    return f"CPU ({os.cpu_count()} cores{onednn})"
 
 
 class _Snapshot:

@@ -796,6 +796,17 @@ def current_device_kind() -> str:
     return "GPU" if tf.config.list_logical_devices("GPU") else "CPU"
 
 
+def onednn_enabled() -> bool | None:
+    """Whether TensorFlow runs its oneDNN CPU kernels here (on by default only on some CPUs;
+    ``TF_ENABLE_ONEDNN_OPTS`` decides). None when this TensorFlow does not say. Without them,
+    its own convolution gradients take large scratch buffers (see :func:`measure_workspace`)."""
+    try:
+        from tensorflow.python.util import _pywrap_util_port
+    except ImportError:  # pragma: no cover (a TensorFlow that moved it)
+        return None
+    return bool(_pywrap_util_port.IsMklEnabled())
+
+
 def tensor_bytes(t) -> int:
     """Bytes of a statically shaped tensor (0 for resources, variants, strings)."""
     import tensorflow as tf

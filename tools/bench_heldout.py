@@ -395,7 +395,10 @@ def main(argv=None):
                                 f"{name} (first call)"))
     import tensorflow as tf
 
-    machine = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; "
+    from tf_remat.extract import onednn_enabled
+
+    machine = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+               f"oneDNN {'on' if onednn_enabled() else 'off'}; "
                f"Python {platform.python_version()}, TensorFlow {tf.__version__}")
     text = table(results, firsts)
     doc = ["# Held-out-style models through `tf_remat.optimize`", "",

@@ -407,7 +407,10 @@ def main(argv=None):
                 f.write(json.dumps(res) + "\n")
     import tensorflow as tf
 
-    machine = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; "
+    from tf_remat.extract import onednn_enabled
+
+    machine = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+               f"oneDNN {'on' if onednn_enabled() else 'off'}; "
                f"Python {platform.python_version()}, TensorFlow {tf.__version__}")
     doc = ["# Rewrite benchmark", "",
            f"Machine: {machine}. Strategy `{strategy}`, time limit {args.time_limit:g} s, "
