@@ -142,3 +142,41 @@ print(json.dumps({"why": why, "verified": rep["verified"], "measured": "measured
     assert out["verified"] is False and not out["measured"] and out["warned"]
     assert out["loss"] > 0
     assert "TF_CPU_ALLOCATOR_USE_BFC" in out["error"]
+
+
+_SMALL_TENSORS = """
+import json, tf_remat, tensorflow as tf
+from tf_remat.extract import counted_bytes, untracked_below
+
+@tf.function
+def f(x):
+    ts = [x * float(i + 2) for i in range(40)]   # 40 live 64 KiB tensors
+    with tf.control_dependencies(ts):
+        return tf.add_n(ts)
+
+x = tf.ones((16 * 1024,))
+f(x).numpy()
+tf.config.experimental.reset_memory_stats("CPU:0")
+before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+f(x).numpy()
+rise = tf.config.experimental.get_memory_info("CPU:0")["peak"] - before
+print(json.dumps({"below": untracked_below(), "counted": counted_bytes(64 * 1024),
+                  "rise": rise}))
+"""
+
+
+@pytest.mark.parametrize("env", [{}, {"TF_ENABLE_ONEDNN_OPTS": "1",
+                                      "TF_CPU_ALLOCATOR_USE_BFC": "false"}],
+                         ids=["bfc", "onednn-allocator"])
+def test_small_allocations_count_as_the_allocator_at_hand_counts_them(env):
+    """BFC counts every allocation; oneDNN's CPU allocator keeps allocations under 256 KiB
+    out of its statistics. The simulator's byte count follows whichever TensorFlow made."""
+    pytest.importorskip("tensorflow")
+    out = _child(_SMALL_TENSORS, **env)
+    if out["rise"] >= 40 * 64 * 1024:
+        assert out["below"] == 0 and out["counted"] == 64 * 1024
+    else:
+        assert out["rise"] < 8 * 64 * 1024, out  # counted all, or (nearly) none
+        assert out["below"] == 256 * 1024 and out["counted"] == 0
+    if not env:
+        assert out["below"] == 0  # import tf_remat asked for BFC

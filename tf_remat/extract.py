@@ -50,7 +50,15 @@ __all__ = [
 ]
 
 OPMAP_FORMAT = "tf-remat-opmap"
-_CPU_UNTRACKED_BELOW = 256 << 10  # see counted_bytes
+#: oneDNN's CPU allocator serves allocations up to this size from a pool that keeps no
+#: statistics (see untracked_below)
+_ONEDNN_SMALL_POOL = 256 << 10
+_UNTRACKED_BELOW: dict = {}
+#: a node's kernel scratch space under this is left out: such buffers come and go from run to
+#: run with the kernels' choice of strategy (a node's 0.28 MiB in one run, none in the next),
+#: which made graphs of one model differ in their number of nodes; they are well inside the
+#: verification margin
+_MIN_WORKSPACE = 1 << 20
 _MAX_OPS = 48  # small-value merging never makes a node of more ops than this
 OPMAP_VERSION = 1
 
@@ -517,8 +525,9 @@ def measure_workspace(traced: TracedStep, op_map: OpMap, *, x=None, y=None) -> l
     value of the graph; but it is memory the step holds while the node runs, and some kernels
     need a lot: without oneDNN, TensorFlow's CPU Conv2DBackpropFilter takes a ~30 MB im2col
     buffer whatever the layer's size; on a GPU, cuDNN takes convolution workspaces. The
-    figure is the most a node's ops hold at once, rounded as the allocator counts. All zeros
-    when TensorFlow keeps no memory statistics for the device or the profiler is busy.
+    figure is the most a node's ops hold at once, rounded as the allocator counts (0 under
+    1 MiB: see ``_MIN_WORKSPACE``). All zeros when TensorFlow keeps no memory statistics for
+    the device or the profiler is busy.
     """
     import warnings
 
@@ -557,7 +566,7 @@ def measure_workspace(traced: TracedStep, op_map: OpMap, *, x=None, y=None) -> l
         elif st.get("addr") in live:
             v, b = live.pop(st.get("addr"))
             held[v] -= b
-    return ws
+    return [b if b >= _MIN_WORKSPACE else 0 for b in ws]
 
 
 def restore_variables(variables, values):
@@ -780,13 +789,37 @@ def _random_like(spec, *, seed, labels=None):
 
 
 def counted_bytes(nbytes: int, device: str = "CPU") -> int:
-    """Bytes an allocation adds to ``get_memory_info``: rounded up to 256 bytes; on CPU,
-    TensorFlow 2.21's allocator statistics leave out allocations under 256 KiB entirely."""
+    """Bytes an allocation adds to ``get_memory_info``: rounded up to 256 bytes, and nothing
+    for allocations the device's statistics leave out (:func:`untracked_below`)."""
     if nbytes <= 0:
         return 0
-    if device == "CPU" and nbytes < _CPU_UNTRACKED_BELOW:
+    if nbytes < untracked_below(device):
         return 0
     return -(-int(nbytes) // 256) * 256
+
+
+def untracked_below(device: str = "CPU") -> int:
+    """Allocations under this many bytes leave TensorFlow's statistics for ``device`` as they
+    were: 256 KiB where TensorFlow's CPU allocator is oneDNN's (its pool for small allocations
+    keeps no statistics), 0 for the BFC allocator (``TF_CPU_ALLOCATOR_USE_BFC=true``, which
+    ``import tf_remat`` sets) and on a GPU. Which allocator TensorFlow made depends on the CPU
+    and on the order of imports, so it is measured, once per process: a 64 KiB tensor is
+    allocated and the statistics read."""
+    if device != "CPU":
+        return 0
+    if device not in _UNTRACKED_BELOW:
+        import tensorflow as tf
+
+        try:
+            with tf.device("CPU:0"):
+                before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+                probe = tf.fill([16 * 1024], 1.0)
+                after = tf.config.experimental.get_memory_info("CPU:0")["current"]
+                del probe
+        except ValueError:  # no statistics at all: count everything (what the memory is)
+            before, after = 0, 1
+        _UNTRACKED_BELOW[device] = _ONEDNN_SMALL_POOL if after == before else 0
+    return _UNTRACKED_BELOW[device]
 
 
 def current_device_kind() -> str:
