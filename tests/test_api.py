@@ -68,7 +68,7 @@ def model_state(model):
     return [v.numpy().copy() for v in model.variables]
 
 
-@pytest.mark.parametrize("builder, fraction", [(cnn, 0.65), (mlp, 0.9)])
+@pytest.mark.parametrize("builder, fraction", [(cnn, 0.7), (mlp, 0.8)])
 def test_optimized_step_trains_like_keras(builder, fraction):
     model, xs, ys = fresh(builder)
     ref, base, scratch = baseline_peak(model, xs, ys)
@@ -80,7 +80,7 @@ def test_optimized_step_trains_like_keras(builder, fraction):
     assert rep["measured_peak_bytes"] <= 1.05 * budget
     assert rep["recomputed_nodes"] > 0
     # the first solve aims under the budget by the verification margin (a plan simulated
-    # above it would measure above it); re-solves get half the time limit each
+    # above it would measure above it); re-solves get a quarter of the time limit each
     from tf_remat.api import verification_margin
 
     tries = step._primary().attempts
@@ -89,7 +89,7 @@ def test_optimized_step_trains_like_keras(builder, fraction):
     aim = max(int(budget * (1 - margin)), step.graph.budget_lower_bound)
     assert tries[0]["solve_budget"] == min(aim, budget)
     assert tries[0]["time_limit"] == FAST["time_limit"]
-    assert all(t["time_limit"] <= FAST["time_limit"] / 2 for t in tries[1:])
+    assert all(t["time_limit"] <= FAST["time_limit"] / 4 for t in tries[1:])
     x, y = (tf.constant(a) for a in data(xs, ys, seed=1))
     variables = list({id(v): v for v in list(ref.variables) +
                       list(step.rewritten.traced.variables)}.values())
