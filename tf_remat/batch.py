@@ -59,7 +59,8 @@ def _plain_step(model, loss_fn, optimizer):
 
 
 def _probe(build, batch, budget, *, remat, strategy, time_limit, verbose, cost_model):
-    """Measured step peak at this batch (plain or rewritten), or None when no plan fits.
+    """Measured step peak at this batch (plain or rewritten), or None when no plan fits; and
+    whether the rewritten step sits at the budget's edge (see below).
 
     The figure is :func:`tf_remat.api.measure_step_peak`'s ``step_peak_bytes``: the step's own
     peak (its variables, optimizer slots, batch and temporaries), so memory the process still
@@ -83,12 +84,20 @@ def _probe(build, batch, budget, *, remat, strategy, time_limit, verbose, cost_m
                             label_spec=label_spec, strategy=strategy, time_limit=time_limit,
                             verbose=0, cost_model=cost_model, attach=False)
         except InfeasibleBudgetError:
-            return None, time.perf_counter() - t0
+            return None, time.perf_counter() - t0, False
         except RematError as exc:
             if verbose:
                 print(f"  batch {batch}: {exc}")
-            return None, time.perf_counter() - t0
+            return None, time.perf_counter() - t0, False
         peak = step.measure(x, y)["step_peak_bytes"]
+        # a size counts as fitting only when its step stayed within optimize's margin in every
+        # layout it was verified in: a step that optimize kept only because nothing got
+        # within the margin sits at the budget's edge, and another process's allocator
+        # history puts it over (the size is then reported as one it cannot keep)
+        from tf_remat.api import verification_margin
+
+        target = budget * (1 - verification_margin(budget, max(step.graph.memory)))
+        edge = step.report.get("measured_peak_bytes", 0) > target
     else:
         opt = model.optimizer
         opt.build(model.trainable_variables)
@@ -96,7 +105,8 @@ def _probe(build, batch, budget, *, remat, strategy, time_limit, verbose, cost_m
         step = _plain_step(model, loss_fn, opt)
         variables = [getattr(v, "value", v) for v in list(model.variables) + list(opt.variables)]
         peak = measure_step_peak(step, x, y, variables=variables)["step_peak_bytes"]
-    return peak, time.perf_counter() - t0
+        edge = False
+    return peak, time.perf_counter() - t0, edge
 
 
 def max_batch_size(build, budget_gb: float | None = None, *, budget_bytes: int | None = None,
@@ -116,7 +126,8 @@ def max_batch_size(build, budget_gb: float | None = None, *, budget_bytes: int |
             values are recomputed, never whether a size fits) or ``"profile"``.
 
     Returns:
-        :class:`MaxBatchResult`; both sizes were confirmed by a measured run within budget.
+        :class:`MaxBatchResult`; both sizes were confirmed by a measured run within budget (a
+        rewritten step also within the verification margin of :func:`tf_remat.optimize`).
 
     Example:
         >>> r = tf_remat.max_batch_size(build, budget_gb=1.0)   # doctest: +SKIP
@@ -134,14 +145,15 @@ def max_batch_size(build, budget_gb: float | None = None, *, budget_bytes: int |
     progress = bar(None, "max-batch", verbose)
 
     def fits(batch, remat):
-        peak, secs = _probe(build, batch, budget, remat=remat, strategy=strategy,
-                            time_limit=time_limit, verbose=verbose, cost_model=cost_model)
-        ok = peak is not None and peak <= budget
+        peak, secs, edge = _probe(build, batch, budget, remat=remat, strategy=strategy,
+                                  time_limit=time_limit, verbose=verbose,
+                                  cost_model=cost_model)
+        ok = peak is not None and peak <= budget and not edge
         probes.append({"batch": batch, "remat": remat, "peak_bytes": peak, "fits": ok,
-                       "seconds": round(secs, 2)})
+                       "at_edge": edge, "seconds": round(secs, 2)})
         progress.update(f"{'remat' if remat else 'plain'} batch {batch}: "
                         + (f"peak {format_bytes(peak)}" if peak is not None else "no plan")
-                        + (" fits" if ok else " over"))
+                        + (" fits" if ok else " at the budget's edge" if edge else " over"))
         return ok
 
     plain = _search(lambda b: fits(b, False), start, max_batch)

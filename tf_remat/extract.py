@@ -813,9 +813,9 @@ def untracked_below(device: str = "CPU") -> int:
         try:
             with tf.device("CPU:0"):
                 before = tf.config.experimental.get_memory_info("CPU:0")["current"]
-                probe = tf.fill([16 * 1024], 1.0)
+                probe = tf.fill([16 * 1024], 1.0)  # held while the statistics are read
                 after = tf.config.experimental.get_memory_info("CPU:0")["current"]
-                del probe
+                probe = probe.shape  # frees the tensor
         except ValueError:  # no statistics at all: count everything (what the memory is)
             before, after = 0, 1
         _UNTRACKED_BELOW[device] = _ONEDNN_SMALL_POOL if after == before else 0
