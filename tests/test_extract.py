@@ -290,6 +290,40 @@ def test_predicted_peak_matches_tensorflow(name):
         (g.no_remat_peak, plain, scratch)
 
 
+@pytest.mark.skipif(bool(tf.config.list_logical_devices("GPU")), reason="CPU memory model")
+def test_values_of_variables_alone_are_scheduled_not_held():
+    # SGD with momentum computes momentum * m for every weight from variables alone; TensorFlow
+    # runs those products at the start of the step and holds them to the update at its end (a
+    # third copy of the weights). As nodes they wait until just before their update.
+    from tf_remat.extract import extract
+    from tf_remat.rewrite import rewrite
+    from tf_remat.solvers import solve
+
+    inp = keras.Input((256,))
+    h = inp
+    for _ in range(8):
+        h = keras.layers.Dense(1024, activation="relu", use_bias=False)(h)
+    model = keras.Model(inp, keras.layers.Dense(10)(h), name="deep_mlp")
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  optimizer=keras.optimizers.SGD(0.01, momentum=0.9))
+    ex = extract(model, input_spec=tf.TensorSpec((16, 256)),
+                 label_spec=tf.TensorSpec((16,), tf.int32), cost_model="flops", verbose=0)
+    g = ex.graph
+    weights = sum(int(v.numpy().nbytes) for v in model.trainable_variables)
+    # weights, momenta, the batch; no products
+    assert g.fixed_memory < 2 * weights + 2**20, (g.fixed_memory, weights)
+    for v in range(g.n):  # a node reading no other node runs right before its first reader
+        if not g.preds[v] and g.succs[v]:
+            first = min(g.position[s] for s in g.succs[v])
+            assert all(not g.preds[u] for u in g.order[g.position[v]:first]), g.label(v)
+    plan = solve(g, g.no_remat_peak, "checkpoint-all")
+    step = rewrite(ex.traced, g, ex.op_map, plan)
+    rewritten = min(measured_peak_layouts(ex, step=step))
+    plain = min(measured_peak_layouts(ex))
+    # measured on one CPU: 21.0 against 33.6 MiB over the variables and batch (weights 29 MiB)
+    assert rewritten < plain - 0.25 * weights, (rewritten, plain, weights)
+
+
 # --------------------------------------------------------------------- profiling
 def test_profile_costs_and_cache_hit(tmp_path, monkeypatch):
     monkeypatch.setenv("TF_REMAT_CACHE", str(tmp_path / "cache"))

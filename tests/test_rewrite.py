@@ -276,7 +276,9 @@ def test_measured_peak_follows_the_plan():
     assert peak <= 1.05 * plan.budget, (peak, plan.budget)
     assert abs(peak - plan.peak_memory) <= 0.15 * plan.peak_memory, (peak, plan.peak_memory)
     assert peak < 0.8 * base
-    assert measured(step, ex, x, y) < 0.9 * base
+    # in their worst layouts too (whole-chunk rounding can add a quarter to either; comparing
+    # one's worst with the other's least failed after another test module's allocations)
+    assert measured(step, ex, x, y) < 0.9 * measured(ex.traced.function, ex, x, y)
     loose = rewrite(ex.traced, g, ex.op_map, plan, chain="none")
     assert measured(loose, ex, x, y) > 0.9 * base
 
@@ -468,5 +470,7 @@ def test_measuring_beside_a_ballast_reports_each_layout():
     assert m["step_peak_bytes"] == max(m["layouts"])
     # a held ballast is memory from before the step: it must not show in the step's peak
     assert min(m["layouts"]) >= 0.8 * ex.graph.no_remat_peak
-    assert max(m["layouts"]) <= 1.5 * ex.graph.no_remat_peak
+    # ... and the whole-chunk rounding stays under half the step, plus a chunk for the kernel
+    # scratch (without oneDNN a 27 MiB im2col buffer, half of this step: one history gave +62%)
+    assert max(m["layouts"]) <= 1.5 * ex.graph.no_remat_peak + ex.info["workspace_bytes"]
     assert all(np.array_equal(a, b) for a, b in zip(snap.values, snap.now()))

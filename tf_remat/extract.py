@@ -59,6 +59,11 @@ _UNTRACKED_BELOW: dict = {}
 #: which made graphs of one model differ in their number of nodes; they are well inside the
 #: verification margin
 _MIN_WORKSPACE = 1 << 20
+#: a value computed from variables alone (SGD's ``momentum * m``, a weight's cast) of this size or
+#: more is a node, scheduled like any other: as a fixed op it would run at the step's start and
+#: stay resident until its reader, at the end (densenet's momentum products: 25 MiB, one per
+#: weight, none over 1 MiB)
+_MIN_SCHEDULED = 64 << 10
 _MAX_OPS = 48  # small-value merging never makes a node of more ops than this
 OPMAP_VERSION = 1
 
@@ -936,8 +941,8 @@ class _Analysis:
             elif t in ("Const", "Placeholder", "VarHandleOp", "ReadVariableOp"):
                 continue
             elif t not in VIEW_OPS and t not in SHAPE_OPS and \
-                    max(self.out_bytes[j], default=0) >= (1 << 20):
-                seeds.add(j)  # a large per-step value (a cast of a weight, a mask ...)
+                    max(self.out_bytes[j], default=0) >= _MIN_SCHEDULED:
+                seeds.add(j)  # a per-step value (a cast of a weight, a mask ...)
         node = bytearray(n)
         stack = []
         for s in seeds:
@@ -1294,6 +1299,13 @@ class _Analysis:
                     heapq.heappush(heap, (len(order_old), first[sg], sg))
         if len(order_old) != len(reps):
             raise RematError("internal error: grouping produced a cycle")
+        # ... except that a node reading no other node (a function of the variables, such as
+        # SGD's momentum product) waits until just before its first reader: the executor would
+        # run it at the start and hold its value all step, which no plan needs to copy
+        pos = {gi: k for k, gi in enumerate(order_old)}
+        order_old.sort(key=lambda gi: (
+            (min(pos[gid_of_rep[s]] for s in self.succ[reps[gi]]), 0, pos[gi])
+            if not self.pred[reps[gi]] and self.succ[reps[gi]] else (pos[gi], 1, 0)))
         new_id = {gi: k for k, gi in enumerate(order_old)}  # ids follow the reference order
         n = len(reps)
         node_ops = [None] * n
