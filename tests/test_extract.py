@@ -324,6 +324,45 @@ def test_values_of_variables_alone_are_scheduled_not_held():
     assert rewritten < plain - 0.25 * weights, (rewritten, plain, weights)
 
 
+def test_convolution_gradients_as_products_equal_tensorflows(monkeypatch):
+    """``TF_REMAT_CONV_GRADIENTS=matmul`` (the default where oneDNN is off) traces Conv2D
+    gradients as patch products and flipped convolutions where they apply (stride-1 input
+    gradients, NHWC, no dilation, no groups) and TensorFlow's kernels elsewhere. Same sums in
+    another order: float32 reassociation over at most 8x32x32x9 terms, so 1e-5 of the largest."""
+    import numpy as np
+
+    from tf_remat.extract import trace_training_step
+
+    def build():
+        keras.utils.set_random_seed(0)
+        inp = keras.Input((32, 32, 16))
+        h = keras.layers.Conv2D(32, 3, padding="same")(inp)
+        h = keras.layers.Conv2D(32, 3, strides=2, padding="same", activation="relu")(h)
+        h = keras.layers.Conv2D(48, 1)(h)
+        h = keras.layers.Conv2D(48, 1, strides=2, activation="relu")(h)
+        h = keras.layers.Conv2D(16, 3, padding="valid")(h)
+        h = keras.layers.Conv2D(16, (3, 2), strides=(2, 1), padding="same")(h)
+        h = keras.layers.Conv2D(16, 3, padding="same", groups=2)(h)
+        m = keras.Model(inp, keras.layers.Dense(10)(keras.layers.Flatten()(h)))
+        m.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  optimizer="sgd")
+        return m
+
+    x = tf.random.stateless_normal((8, 32, 32, 16), seed=(1, 2))
+    y = tf.constant(np.arange(8) % 10, tf.int32)
+    grads, types = {}, {}
+    for m in ("tensorflow", "matmul"):
+        monkeypatch.setenv("TF_REMAT_CONV_GRADIENTS", m)
+        t = trace_training_step(build(), tf.TensorSpec(x.shape), tf.TensorSpec((8,), tf.int32),
+                                apply_updates=False)
+        grads[m] = [g.numpy() for g in t.function(x, y)[1:]]
+        types[m] = {op.type for op in t.function.graph.get_operations()}
+    for a, b in zip(grads["tensorflow"], grads["matmul"]):
+        assert np.max(np.abs(a - b)) <= 1e-5 * np.max(np.abs(a)), a.shape
+    assert {"ExtractImagePatches", "MatMul"} <= types["matmul"]
+    assert "ExtractImagePatches" not in types["tensorflow"]
+
+
 # --------------------------------------------------------------------- profiling
 def test_profile_costs_and_cache_hit(tmp_path, monkeypatch):
     monkeypatch.setenv("TF_REMAT_CACHE", str(tmp_path / "cache"))

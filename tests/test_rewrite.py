@@ -433,8 +433,13 @@ def test_float64_recomputing_step_is_exact():
     for apply_updates in (False, True):
         ex = extract(model, input_spec=xs, label_spec=ys, cost_model="flops", verbose=0,
                      apply_updates=apply_updates)
-        plan = plan_for(ex, 0.7)  # at 0.6 the greedy finds nothing beside a 26 MiB scratch
-        counts = simulate(ex.graph, plan.steps).compute_counts
+        # the greedy's reach depends on the kernels' scratch (26 MiB without oneDNN and with
+        # TensorFlow's convolution gradients, ~0 otherwise): the first fraction it meets
+        for fraction in (0.6, 0.7, 0.8, 0.9):
+            plan = plan_for(ex, fraction)
+            counts = simulate(ex.graph, plan.steps).compute_counts
+            if plan.within_budget and max(counts) > 1:
+                break
         assert plan.within_budget and max(counts) > 1
         step = rewrite(ex.traced, ex.graph, ex.op_map, plan)
         rng = np.random.default_rng(0)

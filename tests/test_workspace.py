@@ -180,3 +180,47 @@ def test_small_allocations_count_as_the_allocator_at_hand_counts_them(env):
         assert out["below"] == 256 * 1024 and out["counted"] == 0
     if not env:
         assert out["below"] == 0  # import tf_remat asked for BFC
+
+
+_CONV_SCRATCH = """
+import json, os, tf_remat, keras, tensorflow as tf
+from tf_remat.extract import conv_gradients_mode, extract
+
+def build():
+    inp = keras.Input((16, 16, 64))
+    h = keras.layers.Conv2D(64, 3, padding="same", activation="relu")(inp)
+    h = keras.layers.Conv2D(64, 1, activation="relu")(h)
+    h = keras.layers.Conv2D(64, 3, padding="same")(h)
+    out = keras.layers.Dense(10)(keras.layers.GlobalAveragePooling2D()(h))
+    m = keras.Model(inp, out)
+    m.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), optimizer="sgd")
+    return m
+
+res = {"auto": conv_gradients_mode()}
+for mode in ("tensorflow", "matmul"):
+    os.environ["TF_REMAT_CONV_GRADIENTS"] = mode
+    ex = extract(build(), input_spec=tf.TensorSpec((8, 16, 16, 64)),
+                 label_spec=tf.TensorSpec((8,), tf.int32), cost_model="flops", verbose=0)
+    graph = ex.traced.function.graph
+    types = [graph.get_operation_by_name(o).type for ops in ex.op_map.nodes for o in ops]
+    res[mode] = {"scratch": ex.info["workspace_bytes"], "lower": ex.graph.budget_lower_bound,
+                 "backprop": sum(t.startswith("Conv2DBackprop") for t in types)}
+print(json.dumps(res))
+"""
+
+
+@pytest.mark.slow
+def test_convolution_gradients_as_products_take_no_scratch_without_onednn():
+    """Without oneDNN, TensorFlow's Conv2DBackpropFilter / Input take scratch of tens of MiB
+    whatever the layer; traced as patch products and flipped convolutions they take none, and
+    the smallest budget any plan can reach drops by about that much."""
+    pytest.importorskip("tensorflow")
+    out = _child(_CONV_SCRATCH)  # TF_ENABLE_ONEDNN_OPTS=0
+    assert out["auto"] == "matmul"
+    tf_, mm = out["tensorflow"], out["matmul"]
+    assert tf_["backprop"] >= 5 and mm["backprop"] == 0, out
+    assert tf_["scratch"] >= 8 * MiB and mm["scratch"] < MiB, out
+    assert mm["lower"] <= tf_["lower"] - 6 * MiB, out
+    on = _child("import json\nfrom tf_remat.extract import conv_gradients_mode\n"
+                "print(json.dumps(conv_gradients_mode()))", TF_ENABLE_ONEDNN_OPTS="1")
+    assert on == "tensorflow"

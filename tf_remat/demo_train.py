@@ -84,7 +84,7 @@ def run_training_demo(args) -> int:
         f"{_device_name()}")
 
     # ---- 1. the plain step: measured peak and time
-    plain = trace_training_step(model, xs, ys)
+    plain = trace_training_step(model, xs, ys, conv_gradients="tensorflow")
     x, y = _batch(xs, ys, seed=0)
     state = _Snapshot(plain.variables)
     largest = max(extract(model, input_spec=xs, label_spec=ys, cost_model="flops",
@@ -132,7 +132,7 @@ def run_training_demo(args) -> int:
         + f"), step {1000 * t_remat:.0f} ms vs plain {1000 * t_plain:.0f} ms")
 
     # ---- 5. gradient check (and loss, BatchNorm statistics after one training step)
-    gref = trace_training_step(model, xs, ys, apply_updates=False)
+    gref = trace_training_step(model, xs, ys, apply_updates=False, conv_gradients="tensorflow")
     both = _Snapshot(list({id(v): v for v in list(plain.variables) + list(gref.variables) +
                            list(step.rewritten.traced.variables)}.values()))
     try:

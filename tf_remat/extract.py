@@ -29,6 +29,7 @@ outputs of fixed ops that are not views (constants, casts of weights).
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import json
 import os
@@ -291,8 +292,8 @@ def op_map_path(graph_path: str | os.PathLike) -> str:
 
 # --------------------------------------------------------------------- public API
 def trace_training_step(model, input_spec, label_spec, *, loss=None, optimizer=None,
-                        apply_updates: bool = True,
-                        return_predictions: bool = False) -> TracedStep:
+                        apply_updates: bool = True, return_predictions: bool = False,
+                        conv_gradients: str | None = None) -> TracedStep:
     """Trace one training step of ``model`` as a ``tf.function`` with fixed input shapes.
 
     Args:
@@ -306,6 +307,8 @@ def trace_training_step(model, input_spec, label_spec, *, loss=None, optimizer=N
             step returns ``(loss, *grads)``).
         return_predictions: also return the model's outputs ``y_pred`` (flattened, last), for
             compiled metrics; see ``TracedStep.predictions``.
+        conv_gradients: ``"matmul"`` or ``"tensorflow"`` (see :func:`conv_gradients_mode`, the
+            default); ``"tensorflow"`` traces the step exactly as Keras runs it.
 
     Returns:
         A :class:`TracedStep`. Nothing is run, and no variable changes value.
@@ -342,6 +345,7 @@ def trace_training_step(model, input_spec, label_spec, *, loss=None, optimizer=N
         optimizer.build(trainable)
 
     marks = {}
+    patch_filters = (conv_gradients or conv_gradients_mode()) == "matmul"
 
     def _n_ops():
         ops_now = tf.compat.v1.get_default_graph().get_operations()
@@ -359,7 +363,8 @@ def trace_training_step(model, input_spec, label_spec, *, loss=None, optimizer=N
             scaled = optimizer.scale_loss(value) if (
                 optimizer is not None and hasattr(optimizer, "scale_loss")) else value
         marks["forward"] = _n_ops()
-        grads = tape.gradient(scaled, trainable)
+        with _matmul_conv_gradients(patch_filters):
+            grads = tape.gradient(scaled, trainable)
         marks["backward"] = _n_ops()
         preds = ()
         if return_predictions:
@@ -843,6 +848,161 @@ def onednn_enabled() -> bool | None:
     except ImportError:  # pragma: no cover (a TensorFlow that moved it)
         return None
     return bool(_pywrap_util_port.IsMklEnabled())
+
+
+#: see _matmul_conv_gradients: a filter gradient whose patch matrix is at most this large is a
+#: matrix product; TensorFlow's own kernel (without oneDNN) takes ~27 MiB whatever the layer
+_PATCH_GRAD_BYTES = 16 << 20
+
+
+def _patch_filter_gradient(op, grad):
+    """dL/dW of an NHWC ``Conv2D`` as ``patches(x)^T @ dL/dy`` (None where that does not apply).
+
+    For a 1x1 stride-1 convolution the patches are ``x`` itself (a view); otherwise
+    ``ExtractImagePatches`` builds them, exactly the bytes the product reads. Same sums as the
+    convolution kernel's, in another order (float32 reassociation)."""
+    import tensorflow as tf
+
+    x, w = op.inputs[0], op.inputs[1]
+    if op.get_attr("data_format") != b"NHWC" or list(op.get_attr("dilations")) != [1, 1, 1, 1]:
+        return None
+    padding = op.get_attr("padding").decode()
+    strides = list(op.get_attr("strides"))
+    if padding not in ("SAME", "VALID") or strides[0] != 1 or strides[3] != 1:
+        return None
+    if not (x.shape.is_fully_defined() and w.shape.is_fully_defined() and
+            grad.shape.is_fully_defined()):
+        return None
+    kh, kw, ci, co = w.shape.as_list()
+    n, ho, wo, _ = grad.shape.as_list()
+    if x.shape[-1] != ci or x.dtype not in (tf.float32, tf.float16, tf.bfloat16, tf.float64):
+        return None  # grouped convolutions keep TensorFlow's kernel
+    if n * ho * wo * kh * kw * ci * x.dtype.size > _PATCH_GRAD_BYTES:
+        return None
+    sh, sw = strides[1], strides[2]
+    if kh == kw == 1 and sh == sw == 1:
+        patches = x
+    else:
+        # after the output gradient exists: from x alone the executor (and the graph's
+        # reference order) would build every layer's patches during the forward pass
+        with tf.control_dependencies([grad]):
+            patches = x[:, ::sh, ::sw, :] if kh == kw == 1 else tf.image.extract_patches(
+                x, sizes=[1, kh, kw, 1], strides=[1, sh, sw, 1], rates=[1, 1, 1, 1],
+                padding=padding)
+    if patches.shape.as_list()[:3] != [n, ho, wo]:
+        return None
+    dw = tf.linalg.matmul(tf.reshape(patches, [n * ho * wo, kh * kw * ci]),
+                          tf.reshape(grad, [n * ho * wo, co]), transpose_a=True)
+    return tf.reshape(dw, [kh, kw, ci, co])
+
+
+def _flipped_input_gradient(op, grad):
+    """dL/dx of a stride-1 NHWC ``Conv2D`` as a convolution of dL/dy with the kernel flipped
+    and its channels swapped, or for a 1x1 kernel a matrix product (None where neither applies):
+    without oneDNN, Conv2DBackpropInput takes scratch of up to ~24 MiB (a 3x3 or a 1x1 layer),
+    the forward kernel and MatMul none.
+    'SAME' with an odd kernel pads the same on both sides, so its transpose is 'SAME' again;
+    'VALID' becomes the full convolution (k - 1 on every side)."""
+    import tensorflow as tf
+
+    x, w = op.inputs[0], op.inputs[1]
+    if op.get_attr("data_format") != b"NHWC" or list(op.get_attr("dilations")) != [1, 1, 1, 1] \
+            or list(op.get_attr("strides")) != [1, 1, 1, 1]:
+        return None
+    if not (x.shape.is_fully_defined() and w.shape.is_fully_defined()):
+        return None
+    kh, kw, ci, co = w.shape.as_list()
+    padding = op.get_attr("padding").decode()
+    if x.shape[-1] != ci:
+        return None  # grouped
+    if kh == kw == 1:  # TensorFlow's kernel takes scratch here too (23.9 MiB in EfficientNetB0)
+        dx = tf.linalg.matmul(tf.reshape(grad, [-1, co]), tf.reshape(w, [ci, co]),
+                              transpose_b=True)
+        return tf.reshape(dx, x.shape)
+    if padding == "SAME" and kh % 2 and kw % 2:
+        pad = "SAME"
+    elif padding == "VALID":
+        pad = [[0, 0], [kh - 1, kh - 1], [kw - 1, kw - 1], [0, 0]]
+    else:
+        return None
+    flipped = tf.transpose(tf.reverse(w, axis=[0, 1]), [0, 1, 3, 2])
+    dx = tf.nn.conv2d(grad, flipped, strides=1, padding=pad)
+    return dx if dx.shape == x.shape else None
+
+
+def _conv2d_gradient(op, grad):
+    from tensorflow.python.ops import gen_nn_ops
+
+    dw = _patch_filter_gradient(op, grad)
+    dx = _flipped_input_gradient(op, grad)
+    if dw is None and dx is None:
+        return _TF_CONV2D_GRAD(op, grad)
+    import tensorflow as tf
+
+    if dw is None:
+        dw = _TF_CONV2D_GRAD(op, grad)[1]
+    if dx is not None:
+        return [dx, dw]
+    dx = gen_nn_ops.conv2d_backprop_input(
+        tf.shape(op.inputs[0]), op.inputs[1], grad, strides=op.get_attr("strides"),
+        padding=op.get_attr("padding"), explicit_paddings=op.get_attr("explicit_paddings"),
+        use_cudnn_on_gpu=op.get_attr("use_cudnn_on_gpu"),
+        data_format=op.get_attr("data_format"), dilations=op.get_attr("dilations"))
+    return [dx, dw]
+
+
+_TF_CONV2D_GRAD = None
+
+
+@contextlib.contextmanager
+def _matmul_conv_gradients(enabled: bool):
+    """While tracing a step's gradients, compute ``Conv2D`` gradients without TensorFlow's CPU
+    backprop kernels where they apply (:func:`_patch_filter_gradient`,
+    :func:`_flipped_input_gradient`) when ``enabled``.
+
+    Without oneDNN, TensorFlow's Conv2DBackpropFilter allocates an im2col buffer sized to a 30 MB
+    working set whatever the layer (27 MiB for a 3x3 layer of 8x16x16x128), and
+    Conv2DBackpropInput up to ~24 MiB; a rewritten step's peak can never drop below the largest
+    such buffer plus what is live beside it. The patch matrix of a small layer is a fraction of
+    that (DenseNet121 at batch 8, 64x64: 9.4 MiB at most; for a 1x1 layer it is the input
+    itself), and the forward kernel and MatMul take none: DenseNet121's largest scratch went from
+    27 to 2 MiB and the smallest budget any plan reaches from 84 to 66 MiB. The gradient registry
+    entry is swapped for the trace and restored after.
+    """
+    global _TF_CONV2D_GRAD
+    if not enabled:
+        yield
+        return
+    from tensorflow.python.framework import ops as tf_ops
+
+    entry = tf_ops._gradient_registry._registry.get("Conv2D")  # noqa: SLF001
+    if entry is None:  # pragma: no cover (a TensorFlow without it registered)
+        yield
+        return
+    registry = tf_ops._gradient_registry._registry  # noqa: SLF001
+    _TF_CONV2D_GRAD = entry["type"]
+    registry["Conv2D"] = dict(entry, type=_conv2d_gradient)
+    try:
+        yield
+    finally:
+        registry["Conv2D"] = entry
+
+
+def conv_gradients_mode() -> str:
+    """How :func:`trace_training_step` computes ``Conv2D`` gradients: ``"matmul"`` (filter
+    gradients as patch-matrix products, input gradients as flipped convolutions or products, where
+    they apply; see :func:`_matmul_conv_gradients`) or ``"tensorflow"`` (its own kernels).
+
+    ``TF_REMAT_CONV_GRADIENTS`` decides when set to either; otherwise ``"matmul"`` on a CPU where
+    oneDNN is off (whose kernels take no such scratch), ``"tensorflow"`` elsewhere.
+    """
+    mode = os.environ.get("TF_REMAT_CONV_GRADIENTS", "").strip().lower()
+    if mode in ("matmul", "tensorflow"):
+        return mode
+    if mode not in ("", "auto"):
+        raise ValueError(f"TF_REMAT_CONV_GRADIENTS={mode!r}: use 'matmul', 'tensorflow' or 'auto'")
+    return "matmul" if current_device_kind() == "CPU" and onednn_enabled() is False \
+        else "tensorflow"
 
 
 def tensor_bytes(t) -> int:

@@ -195,8 +195,8 @@ def run_case(name, fractions, time_limit):
 
     keras.utils.set_random_seed(1)
     model, xs, ys = MODELS[name]()
-    ref = trace_training_step(model, xs, ys)
-    gref = trace_training_step(model, xs, ys, apply_updates=False)
+    ref = trace_training_step(model, xs, ys, conv_gradients="tensorflow")
+    gref = trace_training_step(model, xs, ys, apply_updates=False, conv_gradients="tensorflow")
     xa, ya = _data(xs, ys, model)
     x, y = tf.constant(xa), tf.constant(ya)
     base_runs = [measure_step_peak(ref.function, x, y, variables=ref.variables)
@@ -279,7 +279,7 @@ def first_call_case(name, frac, time_limit):
     model, xs, ys = MODELS[name]()
     xa, ya = _data(xs, ys, model)
     model.train_on_batch(xa, ya)
-    ref = trace_training_step(model, xs, ys)
+    ref = trace_training_step(model, xs, ys, conv_gradients="tensorflow")
     x, y = tf.constant(xa), tf.constant(ya)
     base = int(statistics.median(
         measure_step_peak(ref.function, x, y, variables=ref.variables)["step_peak_bytes"]

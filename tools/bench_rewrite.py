@@ -61,8 +61,8 @@ def run_case(name, batch, size, fractions, strategy, time_limit, runs, trace=Tru
     from tf_remat.zoo import get_model
 
     model, xs, ys = get_model(name, batch, size)
-    ref = trace_training_step(model, xs, ys)
-    gref = trace_training_step(model, xs, ys, apply_updates=False)
+    ref = trace_training_step(model, xs, ys, conv_gradients="tensorflow")
+    gref = trace_training_step(model, xs, ys, apply_updates=False, conv_gradients="tensorflow")
     x, y = _batch(xs, ys, model)
     base_runs = [measure_step_peak(ref.function, x, y, variables=ref.variables)
                  for _ in range(3)]
