@@ -220,9 +220,11 @@ def test_budget_arguments_and_saved_artifacts(tmp_path):
     assert not step.attached and "make_train_function" not in model.__dict__
 
 
-def heldout_net(batch=16, hw=32):
+def heldout_net(batch=64, hw=32):
     """A model like the held-out check's (not in the zoo): residual blocks with a strided
-    projection shortcut, BatchNorm, Dropout; compiled with a metric."""
+    projection shortcut, BatchNorm, Dropout; compiled with a metric. Batch 64: at 16 its step
+    (17 MiB, 1 MiB tensors, no kernel scratch) measured 15-23 MiB across allocator layouts for
+    one plan, more than the budget's room."""
     inp = keras.Input((hw, hw, 3))
     h = keras.layers.Conv2D(16, 3, padding="same")(inp)
     h = keras.layers.BatchNormalization()(h)

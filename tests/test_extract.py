@@ -326,8 +326,9 @@ def test_values_of_variables_alone_are_scheduled_not_held():
 
 def test_convolution_gradients_as_products_equal_tensorflows(monkeypatch):
     """``TF_REMAT_CONV_GRADIENTS=matmul`` (the default where oneDNN is off) traces Conv2D
-    gradients as patch products and flipped convolutions where they apply (stride-1 input
-    gradients, NHWC, no dilation, no groups) and TensorFlow's kernels elsewhere. Same sums in
+    gradients as patch products and flipped convolutions where they apply (NHWC, no dilation,
+    no groups, 'SAME' or 'VALID'; strided layers through a zero-dilated output gradient) and
+    TensorFlow's kernels elsewhere. Same sums in
     another order: float32 reassociation over at most 8x32x32x9 terms, so 1e-5 of the largest."""
     import numpy as np
 
@@ -342,6 +343,7 @@ def test_convolution_gradients_as_products_equal_tensorflows(monkeypatch):
         h = keras.layers.Conv2D(48, 1, strides=2, activation="relu")(h)
         h = keras.layers.Conv2D(16, 3, padding="valid")(h)
         h = keras.layers.Conv2D(16, (3, 2), strides=(2, 1), padding="same")(h)
+        h = keras.layers.Conv2D(16, 4, strides=3, padding="same")(h)
         h = keras.layers.Conv2D(16, 3, padding="same", groups=2)(h)
         m = keras.Model(inp, keras.layers.Dense(10)(keras.layers.Flatten()(h)))
         m.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),

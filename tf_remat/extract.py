@@ -897,36 +897,55 @@ def _patch_filter_gradient(op, grad):
 
 
 def _flipped_input_gradient(op, grad):
-    """dL/dx of a stride-1 NHWC ``Conv2D`` as a convolution of dL/dy with the kernel flipped
-    and its channels swapped, or for a 1x1 kernel a matrix product (None where neither applies):
-    without oneDNN, Conv2DBackpropInput takes scratch of up to ~24 MiB (a 3x3 or a 1x1 layer),
-    the forward kernel and MatMul none.
-    'SAME' with an odd kernel pads the same on both sides, so its transpose is 'SAME' again;
-    'VALID' becomes the full convolution (k - 1 on every side)."""
+    """dL/dx of an NHWC ``Conv2D`` as a stride-1 convolution of dL/dy (for a strided layer,
+    with s - 1 zeros between its entries) with the kernel flipped and its channels swapped, or
+    for a 1x1 stride-1 kernel a matrix product (None where neither applies): without oneDNN,
+    Conv2DBackpropInput takes scratch of up to ~24 MiB (3x3 and 1x1 layers, strided or not), the
+    forward kernel and MatMul none.
+
+    Per spatial axis the layer computes ``y[i] = sum_k x[i*s + k - p] w[k]`` (``p`` the padding
+    before), so ``dx[j] = sum_k d[j + p - k] w[k]`` with ``d`` the dilated dL/dy: a correlation
+    of ``d``, padded by ``K - 1 - p`` before, with the flipped kernel."""
     import tensorflow as tf
 
     x, w = op.inputs[0], op.inputs[1]
+    strides = list(op.get_attr("strides"))
     if op.get_attr("data_format") != b"NHWC" or list(op.get_attr("dilations")) != [1, 1, 1, 1] \
-            or list(op.get_attr("strides")) != [1, 1, 1, 1]:
+            or strides[0] != 1 or strides[3] != 1:
         return None
-    if not (x.shape.is_fully_defined() and w.shape.is_fully_defined()):
+    if not (x.shape.is_fully_defined() and w.shape.is_fully_defined() and
+            grad.shape.is_fully_defined()):
         return None
     kh, kw, ci, co = w.shape.as_list()
+    n, h, wd, _ = x.shape.as_list()
+    _, ho, wo, _ = grad.shape.as_list()
     padding = op.get_attr("padding").decode()
-    if x.shape[-1] != ci:
-        return None  # grouped
-    if kh == kw == 1:  # TensorFlow's kernel takes scratch here too (23.9 MiB in EfficientNetB0)
+    if x.shape[-1] != ci or padding not in ("SAME", "VALID"):
+        return None  # grouped, or explicit padding
+    sh, sw = strides[1], strides[2]
+    if kh == kw == 1 and sh == sw == 1:
         dx = tf.linalg.matmul(tf.reshape(grad, [-1, co]), tf.reshape(w, [ci, co]),
                               transpose_b=True)
         return tf.reshape(dx, x.shape)
-    if padding == "SAME" and kh % 2 and kw % 2:
-        pad = "SAME"
-    elif padding == "VALID":
-        pad = [[0, 0], [kh - 1, kh - 1], [kw - 1, kw - 1], [0, 0]]
-    else:
-        return None
+    d = grad
+    if sh > 1 or sw > 1:  # zeros between the entries: (n, ho*sh, wo*sw, co)
+        d = tf.reshape(grad, [n, ho, 1, wo, 1, co])
+        d = tf.pad(d, [[0, 0], [0, 0], [0, sh - 1], [0, 0], [0, sw - 1], [0, 0]])
+        d = tf.reshape(d, [n, ho * sh, wo * sw, co])
+    pads = []
+    for size, k, s_, o, length in ((h, kh, sh, ho, ho * sh), (wd, kw, sw, wo, wo * sw)):
+        before = max((o - 1) * s_ + k - size, 0) // 2 if padding == "SAME" else 0
+        lo = k - 1 - before
+        hi = size + k - 1 - lo - length
+        if lo < 0:
+            return None
+        pads.append((lo, hi))
+    if pads[0][1] < 0 or pads[1][1] < 0:  # trailing entries no output reads
+        d = d[:, :ho * sh + min(pads[0][1], 0), :wo * sw + min(pads[1][1], 0), :]
+        pads = [(lo, max(hi, 0)) for lo, hi in pads]
     flipped = tf.transpose(tf.reverse(w, axis=[0, 1]), [0, 1, 3, 2])
-    dx = tf.nn.conv2d(grad, flipped, strides=1, padding=pad)
+    dx = tf.nn.conv2d(d, flipped, strides=1,
+                      padding=[[0, 0], list(pads[0]), list(pads[1]), [0, 0]])
     return dx if dx.shape == x.shape else None
 
 
@@ -965,7 +984,8 @@ def _matmul_conv_gradients(enabled: bool):
     Conv2DBackpropInput up to ~24 MiB; a rewritten step's peak can never drop below the largest
     such buffer plus what is live beside it. The patch matrix of a small layer is a fraction of
     that (DenseNet121 at batch 8, 64x64: 9.4 MiB at most; for a 1x1 layer it is the input
-    itself), and the forward kernel and MatMul take none: DenseNet121's largest scratch went from
+    itself), and the forward kernel and MatMul take none (a strided layer's input gradient
+    pads its output gradient with zeros: stride**2 times that gradient, in place of ~20 MiB): DenseNet121's largest scratch went from
     27 to 2 MiB and the smallest budget any plan reaches from 84 to 66 MiB. The gradient registry
     entry is swapped for the trace and restored after.
     """
