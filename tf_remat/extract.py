@@ -855,6 +855,27 @@ def onednn_enabled() -> bool | None:
 _PATCH_GRAD_BYTES = 16 << 20
 
 
+def _plain_conv(op, grad):
+    """``(x, w, padding, (stride_h, stride_w))`` of an NHWC ``Conv2D`` with static shapes, no
+    dilation, no groups, 'SAME' or 'VALID' padding and a floating dtype; None otherwise (such a
+    layer keeps TensorFlow's gradient kernels)."""
+    import tensorflow as tf
+
+    x, w = op.inputs[0], op.inputs[1]
+    strides = list(op.get_attr("strides"))
+    padding = op.get_attr("padding").decode()
+    if op.get_attr("data_format") != b"NHWC" or list(op.get_attr("dilations")) != [1, 1, 1, 1] \
+            or strides[0] != 1 or strides[3] != 1 or padding not in ("SAME", "VALID"):
+        return None
+    if not (x.shape.is_fully_defined() and w.shape.is_fully_defined() and
+            grad.shape.is_fully_defined()):
+        return None
+    if x.shape[-1] != w.shape[2] or x.dtype not in (tf.float32, tf.float16, tf.bfloat16,
+                                                     tf.float64):
+        return None
+    return x, w, padding, (strides[1], strides[2])
+
+
 def _patch_filter_gradient(op, grad):
     """dL/dW of an NHWC ``Conv2D`` as ``patches(x)^T @ dL/dy`` (None where that does not apply).
 
@@ -863,23 +884,14 @@ def _patch_filter_gradient(op, grad):
     convolution kernel's, in another order (float32 reassociation)."""
     import tensorflow as tf
 
-    x, w = op.inputs[0], op.inputs[1]
-    if op.get_attr("data_format") != b"NHWC" or list(op.get_attr("dilations")) != [1, 1, 1, 1]:
+    conv = _plain_conv(op, grad)
+    if conv is None:
         return None
-    padding = op.get_attr("padding").decode()
-    strides = list(op.get_attr("strides"))
-    if padding not in ("SAME", "VALID") or strides[0] != 1 or strides[3] != 1:
-        return None
-    if not (x.shape.is_fully_defined() and w.shape.is_fully_defined() and
-            grad.shape.is_fully_defined()):
-        return None
+    x, w, padding, (sh, sw) = conv
     kh, kw, ci, co = w.shape.as_list()
     n, ho, wo, _ = grad.shape.as_list()
-    if x.shape[-1] != ci or x.dtype not in (tf.float32, tf.float16, tf.bfloat16, tf.float64):
-        return None  # grouped convolutions keep TensorFlow's kernel
     if n * ho * wo * kh * kw * ci * x.dtype.size > _PATCH_GRAD_BYTES:
         return None
-    sh, sw = strides[1], strides[2]
     if kh == kw == 1 and sh == sw == 1:
         patches = x
     else:
@@ -908,21 +920,13 @@ def _flipped_input_gradient(op, grad):
     of ``d``, padded by ``K - 1 - p`` before, with the flipped kernel."""
     import tensorflow as tf
 
-    x, w = op.inputs[0], op.inputs[1]
-    strides = list(op.get_attr("strides"))
-    if op.get_attr("data_format") != b"NHWC" or list(op.get_attr("dilations")) != [1, 1, 1, 1] \
-            or strides[0] != 1 or strides[3] != 1:
+    conv = _plain_conv(op, grad)
+    if conv is None:
         return None
-    if not (x.shape.is_fully_defined() and w.shape.is_fully_defined() and
-            grad.shape.is_fully_defined()):
-        return None
+    x, w, padding, (sh, sw) = conv
     kh, kw, ci, co = w.shape.as_list()
     n, h, wd, _ = x.shape.as_list()
     _, ho, wo, _ = grad.shape.as_list()
-    padding = op.get_attr("padding").decode()
-    if x.shape[-1] != ci or padding not in ("SAME", "VALID"):
-        return None  # grouped, or explicit padding
-    sh, sw = strides[1], strides[2]
     if kh == kw == 1 and sh == sw == 1:
         dx = tf.linalg.matmul(tf.reshape(grad, [-1, co]), tf.reshape(w, [ci, co]),
                               transpose_b=True)
