@@ -954,23 +954,14 @@ def _flipped_input_gradient(op, grad):
 
 
 def _conv2d_gradient(op, grad):
-    from tensorflow.python.ops import gen_nn_ops
-
     dw = _patch_filter_gradient(op, grad)
     dx = _flipped_input_gradient(op, grad)
-    if dw is None and dx is None:
-        return _TF_CONV2D_GRAD(op, grad)
-    import tensorflow as tf
-
-    if dw is None:
-        dw = _TF_CONV2D_GRAD(op, grad)[1]
-    if dx is not None:
-        return [dx, dw]
-    dx = gen_nn_ops.conv2d_backprop_input(
-        tf.shape(op.inputs[0]), op.inputs[1], grad, strides=op.get_attr("strides"),
-        padding=op.get_attr("padding"), explicit_paddings=op.get_attr("explicit_paddings"),
-        use_cudnn_on_gpu=op.get_attr("use_cudnn_on_gpu"),
-        data_format=op.get_attr("data_format"), dilations=op.get_attr("dilations"))
+    if dw is None or dx is None:
+        # TensorFlow's gradient for what is left; the op it makes that nothing reads is dead,
+        # and TensorFlow (and extract) prune it
+        tf_dx, tf_dw = _TF_CONV2D_GRAD(op, grad)
+        dx = tf_dx if dx is None else dx
+        dw = tf_dw if dw is None else dw
     return [dx, dw]
 
 
