@@ -1,5 +1,6 @@
 """Extraction of a Keras training step into a solver graph: structure, memory, profiling, CLI."""
 
+import collections
 import json
 import os
 
@@ -327,9 +328,12 @@ def test_values_of_variables_alone_are_scheduled_not_held():
 def test_convolution_gradients_as_products_equal_tensorflows(monkeypatch):
     """``TF_REMAT_CONV_GRADIENTS=matmul`` (the default where oneDNN is off) traces Conv2D
     gradients as patch products and flipped convolutions where they apply (NHWC, no dilation,
-    no groups, 'SAME' or 'VALID'; strided layers through a zero-dilated output gradient) and
-    TensorFlow's kernels elsewhere. Same sums in
-    another order: float32 reassociation over at most 8x32x32x9 terms, so 1e-5 of the largest."""
+    no groups, 'SAME' or 'VALID'; strided layers through a zero-dilated output gradient), and
+    Conv2DTranspose kernel gradients as patch products too, and TensorFlow's kernels elsewhere.
+    With the patch limit at 1 MiB the first layers' patches come in slices of the batch. Same
+    sums in another order: float32 reassociation over at most 8x32x32x9 terms, so 1e-5 of the
+    largest."""
+    from tf_remat import extract as extract_module
     import numpy as np
 
     from tf_remat.extract import trace_training_step
@@ -345,6 +349,8 @@ def test_convolution_gradients_as_products_equal_tensorflows(monkeypatch):
         h = keras.layers.Conv2D(16, (3, 2), strides=(2, 1), padding="same")(h)
         h = keras.layers.Conv2D(16, 4, strides=3, padding="same")(h)
         h = keras.layers.Conv2D(16, 3, padding="same", groups=2)(h)
+        h = keras.layers.Conv2DTranspose(16, 3, strides=2, padding="same")(h)
+        h = keras.layers.Conv2DTranspose(8, 2, strides=2, activation="relu")(h)
         m = keras.Model(inp, keras.layers.Dense(10)(keras.layers.Flatten()(h)))
         m.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   optimizer="sgd")
@@ -352,17 +358,58 @@ def test_convolution_gradients_as_products_equal_tensorflows(monkeypatch):
 
     x = tf.random.stateless_normal((8, 32, 32, 16), seed=(1, 2))
     y = tf.constant(np.arange(8) % 10, tf.int32)
+    monkeypatch.setattr(extract_module, "_PATCH_GRAD_BYTES", 1 << 20)
     grads, types = {}, {}
     for m in ("tensorflow", "matmul"):
         monkeypatch.setenv("TF_REMAT_CONV_GRADIENTS", m)
         t = trace_training_step(build(), tf.TensorSpec(x.shape), tf.TensorSpec((8,), tf.int32),
                                 apply_updates=False)
         grads[m] = [g.numpy() for g in t.function(x, y)[1:]]
-        types[m] = {op.type for op in t.function.graph.get_operations()}
+        types[m] = collections.Counter(op.type for op in t.function.graph.get_operations())
     for a, b in zip(grads["tensorflow"], grads["matmul"]):
         assert np.max(np.abs(a - b)) <= 1e-5 * np.max(np.abs(a)), a.shape
-    assert {"ExtractImagePatches", "MatMul"} <= types["matmul"]
+    assert types["matmul"]["MatMul"] > types["tensorflow"]["MatMul"]
     assert "ExtractImagePatches" not in types["tensorflow"]
+    # no filter gradient is TensorFlow's kernel (the grouped layer runs as an XLA cluster on CPU)
+    assert types["tensorflow"]["Conv2DBackpropFilter"] == 9
+    assert types["matmul"]["Conv2DBackpropFilter"] == 0
+    # 7 layers' patches, the first two's (4.5 and 2.25 MiB) in 8 and 3 slices of the batch
+    assert types["matmul"]["ExtractImagePatches"] == 7 + 7 + 2
+
+
+def test_first_axis_slices_are_views_of_their_input(monkeypatch):
+    """A range (or one entry) of the first axis, every other axis whole, rows a multiple of 64
+    bytes: TensorFlow's slice kernels return a view of the input's buffer, which then lives as
+    long as the slice; the graph must count it so (a sliced filter gradient's batch slices)."""
+    from tf_remat.extract import _first_axis_slice_view
+
+    @tf.function
+    def f(x, z):
+        return (x[2:5], tf.slice(x, [1, 0], [3, 16]), x[3],            # views
+                x[:, 1:3], x[::2], z[1:4], x[..., :])                 # copies (or not slices)
+
+    graph = f.get_concrete_function(tf.TensorSpec((8, 16)), tf.TensorSpec((8, 3))).graph
+    slices = [op for op in graph.get_operations() if op.type in ("StridedSlice", "Slice")]
+    assert [_first_axis_slice_view(op) for op in slices] == [True, True, True] + [False] * 4
+
+    # in a step: the sliced filter gradients' batch slices join the node owning their input
+    from tf_remat import extract as extract_module
+
+    inp = keras.Input((16, 16, 8))
+    h = keras.layers.Conv2D(16, 3, padding="same", activation="relu")(inp)
+    h = keras.layers.Conv2D(16, 3, padding="same")(h)
+    model = keras.Model(inp, keras.layers.Dense(10)(keras.layers.GlobalAveragePooling2D()(h)))
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  optimizer="sgd")
+    monkeypatch.setattr(extract_module, "_PATCH_GRAD_BYTES", 1 << 20)  # 5 slices of 229 KiB
+    monkeypatch.setenv("TF_REMAT_CONV_GRADIENTS", "matmul")
+    ex = extract_module.extract(model, input_spec=tf.TensorSpec((64, 16, 16, 8)),
+                                label_spec=tf.TensorSpec((64,), tf.int32), cost_model="flops",
+                                verbose=0)
+    sliced = [op for ops in ex.op_map.nodes for op in ops if "strided_slice" in op]
+    assert sliced
+    assert not any(name.split("(")[0].rsplit("/", 1)[-1].startswith("strided_slice")
+                   for name in ex.graph.names)
 
 
 # --------------------------------------------------------------------- profiling

@@ -850,61 +850,84 @@ def onednn_enabled() -> bool | None:
     return bool(_pywrap_util_port.IsMklEnabled())
 
 
-#: see _matmul_conv_gradients: a filter gradient whose patch matrix is at most this large is a
-#: matrix product; TensorFlow's own kernel (without oneDNN) takes ~27 MiB whatever the layer
-_PATCH_GRAD_BYTES = 16 << 20
+#: see _matmul_conv_gradients: a filter gradient is a sum of ``patches^T @ dL/dy`` products over
+#: slices of the batch, each patch matrix at most this large (TensorFlow's own kernel, without
+#: oneDNN, takes ~27-31 MiB whatever the layer)
+_PATCH_GRAD_BYTES = 8 << 20
+#: ... in at most this many slices; a layer whose patches need more keeps TensorFlow's kernel
+#: (its ~30 MiB are then small beside the layer's own tensors)
+_PATCH_GRAD_PIECES = 16
 
 
-def _plain_conv(op, grad):
-    """``(x, w, padding, (stride_h, stride_w))`` of an NHWC ``Conv2D`` with static shapes, no
-    dilation, no groups, 'SAME' or 'VALID' padding and a floating dtype; None otherwise (such a
-    layer keeps TensorFlow's gradient kernels)."""
+def _conv_geometry(op, x, w, y):
+    """``(padding, (stride_h, stride_w))`` of a 2-D convolution op (``Conv2D``, or the
+    ``Conv2DBackpropInput`` of a transposed convolution) that maps ``x`` by the kernel ``w`` to
+    ``y``: NHWC, static shapes, no dilation, no groups, 'SAME' or 'VALID' padding, a floating
+    dtype; None otherwise (such a layer keeps TensorFlow's gradient kernels)."""
     import tensorflow as tf
 
-    x, w = op.inputs[0], op.inputs[1]
     strides = list(op.get_attr("strides"))
     padding = op.get_attr("padding").decode()
     if op.get_attr("data_format") != b"NHWC" or list(op.get_attr("dilations")) != [1, 1, 1, 1] \
             or strides[0] != 1 or strides[3] != 1 or padding not in ("SAME", "VALID"):
         return None
-    if not (x.shape.is_fully_defined() and w.shape.is_fully_defined() and
-            grad.shape.is_fully_defined()):
+    if not all(t.shape.is_fully_defined() for t in (x, w, y)):
         return None
     if x.shape[-1] != w.shape[2] or x.dtype not in (tf.float32, tf.float16, tf.bfloat16,
                                                      tf.float64):
         return None
-    return x, w, padding, (strides[1], strides[2])
+    return padding, (strides[1], strides[2])
 
 
-def _patch_filter_gradient(op, grad):
-    """dL/dW of an NHWC ``Conv2D`` as ``patches(x)^T @ dL/dy`` (None where that does not apply).
+def _plain_conv(op, grad):
+    """``(x, w, padding, strides)`` of a ``Conv2D`` op that :func:`_conv_geometry` accepts."""
+    x, w = op.inputs[0], op.inputs[1]
+    geometry = _conv_geometry(op, x, w, grad)
+    return None if geometry is None else (x, w, *geometry)
+
+
+def _patch_filter_gradient(x, w, dy, padding, strides):
+    """dL/dW of the convolution ``y = conv(x, w)`` as ``patches(x)^T @ dL/dy`` (None where
+    that does not apply).
 
     For a 1x1 stride-1 convolution the patches are ``x`` itself (a view); otherwise
-    ``ExtractImagePatches`` builds them, exactly the bytes the product reads. Same sums as the
-    convolution kernel's, in another order (float32 reassociation)."""
+    ``ExtractImagePatches`` builds them, exactly the bytes the product reads, for one slice of
+    the batch at a time when the whole matrix is over ``_PATCH_GRAD_BYTES``: each slice's patches
+    wait (a control edge) for the sum so far, so one slice's are live at a time in any order.
+    Same sums as the convolution kernel's, in another order (float32 reassociation)."""
     import tensorflow as tf
 
-    conv = _plain_conv(op, grad)
-    if conv is None:
-        return None
-    x, w, padding, (sh, sw) = conv
+    sh, sw = strides
     kh, kw, ci, co = w.shape.as_list()
-    n, ho, wo, _ = grad.shape.as_list()
-    if n * ho * wo * kh * kw * ci * x.dtype.size > _PATCH_GRAD_BYTES:
-        return None
+    n, ho, wo, _ = dy.shape.as_list()
     if kh == kw == 1 and sh == sw == 1:
-        patches = x
-    else:
-        # after the output gradient exists: from x alone the executor (and the graph's
-        # reference order) would build every layer's patches during the forward pass
-        with tf.control_dependencies([grad]):
-            patches = x[:, ::sh, ::sw, :] if kh == kw == 1 else tf.image.extract_patches(
-                x, sizes=[1, kh, kw, 1], strides=[1, sh, sw, 1], rates=[1, 1, 1, 1],
-                padding=padding)
-    if patches.shape.as_list()[:3] != [n, ho, wo]:
+        if x.shape.as_list()[:3] != [n, ho, wo]:
+            return None
+        dw = tf.linalg.matmul(tf.reshape(x, [n * ho * wo, ci]), tf.reshape(dy, [n * ho * wo, co]),
+                              transpose_a=True)
+        return tf.reshape(dw, [kh, kw, ci, co])
+    per_piece = _PATCH_GRAD_BYTES // (ho * wo * kh * kw * ci * x.dtype.size)  # samples
+    pieces = -(-n // max(per_piece, 1))
+    if per_piece < 1 or pieces > _PATCH_GRAD_PIECES:
         return None
-    dw = tf.linalg.matmul(tf.reshape(patches, [n * ho * wo, kh * kw * ci]),
-                          tf.reshape(grad, [n * ho * wo, co]), transpose_a=True)
+    bounds = [n * i // pieces for i in range(pieces + 1)]
+    dw = None
+    for lo, hi in zip(bounds, bounds[1:]):
+        # after the output gradient exists (from x alone the executor, and the graph's
+        # reference order, would build every layer's patches during the forward pass), and
+        # after the previous slice's product
+        with tf.control_dependencies([dy if dw is None else dw]):
+            xs = x if pieces == 1 else x[lo:hi]
+            patches = xs[:, ::sh, ::sw, :] if kh == kw == 1 else tf.image.extract_patches(
+                xs, sizes=[1, kh, kw, 1], strides=[1, sh, sw, 1], rates=[1, 1, 1, 1],
+                padding=padding)
+        if patches.shape.as_list()[1:3] != [ho, wo]:
+            return None
+        rows = (hi - lo) * ho * wo
+        part = tf.linalg.matmul(tf.reshape(patches, [rows, kh * kw * ci]),
+                                tf.reshape(dy if pieces == 1 else dy[lo:hi], [rows, co]),
+                                transpose_a=True)
+        dw = part if dw is None else dw + part
     return tf.reshape(dw, [kh, kw, ci, co])
 
 
@@ -954,53 +977,72 @@ def _flipped_input_gradient(op, grad):
 
 
 def _conv2d_gradient(op, grad):
-    dw = _patch_filter_gradient(op, grad)
+    conv = _plain_conv(op, grad)
+    dw = None if conv is None else _patch_filter_gradient(conv[0], conv[1], grad, *conv[2:])
     dx = _flipped_input_gradient(op, grad)
     if dw is None or dx is None:
         # TensorFlow's gradient for what is left; the op it makes that nothing reads is dead,
         # and TensorFlow (and extract) prune it
-        tf_dx, tf_dw = _TF_CONV2D_GRAD(op, grad)
+        tf_dx, tf_dw = _TF_GRADS["Conv2D"](op, grad)
         dx = tf_dx if dx is None else dx
         dw = tf_dw if dw is None else dw
     return [dx, dw]
 
 
-_TF_CONV2D_GRAD = None
+def _conv2d_transpose_gradient(op, grad):
+    """Gradients of a ``Conv2DBackpropInput`` run forward (a ``Conv2DTranspose`` layer), its
+    kernel's as a patch product where that applies. Read as a convolution, the op maps a
+    tensor shaped like its output (``grad``) by its kernel to its input, so the kernel's
+    gradient is that convolution's filter gradient, ``patches(grad)^T @ input``: TensorFlow's
+    is a Conv2DBackpropFilter (~15-30 MiB of scratch without oneDNN)."""
+    import tensorflow as tf
+
+    w, small = op.inputs[1], op.inputs[2]
+    geometry = _conv_geometry(op, grad, w, small)
+    dw = None if geometry is None else _patch_filter_gradient(grad, w, small, *geometry)
+    if dw is None:
+        return _TF_GRADS["Conv2DBackpropInput"](op, grad)
+    padding, (sh, sw) = geometry
+    # the input's gradient is TensorFlow's: the forward convolution, which takes no scratch
+    return [None, dw, tf.nn.conv2d(grad, w, strides=[1, sh, sw, 1], padding=padding)]
+
+
+#: TensorFlow's registered gradient functions, while _matmul_conv_gradients has them swapped
+_TF_GRADS = {}
+_OWN_GRADS = {"Conv2D": _conv2d_gradient, "Conv2DBackpropInput": _conv2d_transpose_gradient}
 
 
 @contextlib.contextmanager
 def _matmul_conv_gradients(enabled: bool):
-    """While tracing a step's gradients, compute ``Conv2D`` gradients without TensorFlow's CPU
-    backprop kernels where they apply (:func:`_patch_filter_gradient`,
-    :func:`_flipped_input_gradient`) when ``enabled``.
+    """While tracing a step's gradients, compute convolution gradients without TensorFlow's CPU
+    backprop kernels where they apply when ``enabled``: ``Conv2D``'s (:func:`_conv2d_gradient`)
+    and the kernel gradient of a ``Conv2DTranspose`` layer's ``Conv2DBackpropInput``
+    (:func:`_conv2d_transpose_gradient`).
 
     Without oneDNN, TensorFlow's Conv2DBackpropFilter allocates an im2col buffer sized to a 30 MB
     working set whatever the layer (27 MiB for a 3x3 layer of 8x16x16x128), and
     Conv2DBackpropInput up to ~24 MiB; a rewritten step's peak can never drop below the largest
-    such buffer plus what is live beside it. The patch matrix of a small layer is a fraction of
-    that (DenseNet121 at batch 8, 64x64: 9.4 MiB at most; for a 1x1 layer it is the input
-    itself), and the forward kernel and MatMul take none (a strided layer's input gradient
-    pads its output gradient with zeros: stride**2 times that gradient, in place of ~20 MiB): DenseNet121's largest scratch went from
-    27 to 2 MiB and the smallest budget any plan reaches from 84 to 66 MiB. The gradient registry
-    entry is swapped for the trace and restored after.
+    such buffer plus what is live beside it. A filter gradient's patch matrix, taken a slice of
+    the batch at a time, is at most 8 MiB (for a 1x1 layer it is the input itself); the forward
+    kernel and MatMul take none (a strided layer's input gradient pads its output gradient
+    with zeros: stride**2 times that gradient, in place of ~20 MiB). DenseNet121's largest
+    scratch went from 27 to 2 MiB and the smallest budget any plan reaches from 84 to 66 MiB.
+    The gradient registry entries are swapped for the trace and restored after.
     """
-    global _TF_CONV2D_GRAD
     if not enabled:
         yield
         return
     from tensorflow.python.framework import ops as tf_ops
 
-    entry = tf_ops._gradient_registry._registry.get("Conv2D")  # noqa: SLF001
-    if entry is None:  # pragma: no cover (a TensorFlow without it registered)
-        yield
-        return
     registry = tf_ops._gradient_registry._registry  # noqa: SLF001
-    _TF_CONV2D_GRAD = entry["type"]
-    registry["Conv2D"] = dict(entry, type=_conv2d_gradient)
+    entries = {name: registry[name] for name in _OWN_GRADS if name in registry}
+    for name, entry in entries.items():
+        _TF_GRADS[name] = entry["type"]
+        registry[name] = dict(entry, type=_OWN_GRADS[name])
     try:
         yield
     finally:
-        registry["Conv2D"] = entry
+        registry.update(entries)
 
 
 def conv_gradients_mode() -> str:
@@ -1028,6 +1070,33 @@ def tensor_bytes(t) -> int:
         return 0
     n = t.shape.num_elements()
     return 0 if n is None else int(n) * t.dtype.size
+
+
+def _first_axis_slice_view(op) -> bool:
+    """Whether a ``StridedSlice`` / ``Slice`` takes a range of the first axis (or one entry of
+    it) with every other axis whole, one row being a multiple of 64 bytes: TensorFlow's kernels
+    then hand out a view of the input's buffer (their "dim 0 slice" case), which keeps the
+    whole input alive as long as the slice is. The batch slices of a sliced filter gradient
+    (:func:`_patch_filter_gradient`) are such views: counted as copies, a plan freed an 8 MiB
+    output gradient that their readers still held."""
+    if op.type not in ("StridedSlice", "Slice") or not op.inputs or not op.outputs:
+        return False
+    src, out = op.inputs[0].shape, op.outputs[0].shape
+    if src.rank is None or src.rank < 1 or not (src.is_fully_defined() and
+                                                out.is_fully_defined()):
+        return False
+    shrink = 0
+    if op.type == "StridedSlice":
+        from tensorflow.python.framework import tensor_util
+
+        strides = tensor_util.constant_value(op.inputs[3])
+        shrink = op.get_attr("shrink_axis_mask")
+        if strides is None or any(int(v) != 1 for v in strides) or shrink not in (0, 1) or \
+                op.get_attr("ellipsis_mask") or op.get_attr("new_axis_mask"):
+            return False
+    if (out.as_list() if shrink else out.as_list()[1:]) != src.as_list()[1:]:
+        return False
+    return src[1:].num_elements() * op.inputs[0].dtype.size % 64 == 0
 
 
 def _is_side_effect(op_type: str) -> bool:
@@ -1077,6 +1146,7 @@ class _Analysis:
             for c in cins:
                 self.ctrl_out[c].append(j)
         self.out_bytes = [[tensor_bytes(t) for t in op.outputs] for op in self.ops]
+        self.view = [op.type in VIEW_OPS or _first_axis_slice_view(op) for op in self.ops]
         fwd, bwd = traced.phase_marks
         self.phase = []
         for op in self.ops:
@@ -1115,7 +1185,7 @@ class _Analysis:
                 seeds.add(j)
             elif t in ("Const", "Placeholder", "VarHandleOp", "ReadVariableOp"):
                 continue
-            elif t not in VIEW_OPS and t not in SHAPE_OPS and \
+            elif not self.view[j] and t not in SHAPE_OPS and \
                     max(self.out_bytes[j], default=0) >= _MIN_SCHEDULED:
                 seeds.add(j)  # a per-step value (a cast of a weight, a mask ...)
         node = bytearray(n)
@@ -1189,7 +1259,7 @@ class _Analysis:
             seen = []
             while key not in buf:
                 op = ops[key[0]]
-                if op.type in VIEW_OPS and op.inputs:
+                if self.view[key[0]] and op.inputs:
                     src = self.inputs[key[0]][key[1] if op.type == "IdentityN" else 0]
                     seen.append(key)
                     key = src
@@ -1212,7 +1282,7 @@ class _Analysis:
             if r is None:
                 continue
             for c in self.consumers[(i, k)]:
-                if self.live[c] and ops[c].type not in VIEW_OPS:
+                if self.live[c] and not self.view[c]:
                     readers[r].add(c)
         for t in self.fgraph.outputs:
             r = buf.get((self.index[t.op.name], t.value_index))
@@ -1382,7 +1452,7 @@ class _Analysis:
                     try_merge(c[0], j)
         # 2. views join the node that owns their input (they allocate nothing)
         for j in list(members):
-            if ops[j].type in VIEW_OPS and ops[j].type != "IdentityN":
+            if self.view[j] and ops[j].type != "IdentityN":
                 ins = data_node_inputs(j)
                 if ins:
                     try_merge(ins[0][0], j)
@@ -1500,7 +1570,7 @@ class _Analysis:
                     r = self.buf.get((i, k))
                     if r is not None and op_node[r[0]] != v:
                         edges.add((op_node[r[0]], v))
-                        if ops[j].type not in VIEW_OPS and r not in counted:
+                        if not self.view[j] and r not in counted:
                             counted.add(r)
                 for i in self.ctrl_in[j]:
                     if node[i] and op_node[i] != v:
@@ -1548,7 +1618,7 @@ class _Analysis:
             if op.type in SHAPE_OPS and any(node[i] for i, _ in self.inputs[j]):
                 static_shapes[op.name] = [_static_shape_value(op, k)
                                           for k in range(len(op.outputs))]
-            if j in self.placeholders or op.type in VIEW_OPS or op.type in (
+            if j in self.placeholders or self.view[j] or op.type in (
                     "ReadVariableOp", "Placeholder", "VarHandleOp") or op.type in SHAPE_OPS:
                 continue
             fixed += sum(counted_bytes(b, dev) for b in self.out_bytes[j])
