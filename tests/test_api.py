@@ -18,7 +18,9 @@ from test_rewrite import Snapshot, close, mlp, skip_cnn  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-FAST = dict(strategy="linearized-greedy", cost_model="flops", verbose=0, time_limit=20)
+# the MILP on the graph's own order: deterministic, and seconds on these graphs (the greedy
+# baselines stall at ~70% of skip_cnn's step once no kernel scratch space pads it)
+FAST = dict(strategy="checkmate-milp", cost_model="flops", verbose=0, time_limit=20)
 
 
 def cnn():
@@ -210,7 +212,7 @@ def test_budget_arguments_and_saved_artifacts(tmp_path):
     for key in ("strategy", "status", "budget_bytes", "predicted_peak_bytes",
                 "baseline_peak_bytes", "predicted_overhead", "solve_seconds"):
         assert key in rep
-    assert rep["budget_bytes"] == 2**30 and rep["strategy"] == "linearized-greedy"
+    assert rep["budget_bytes"] == 2**30 and rep["strategy"] == FAST["strategy"]
     assert rep["baseline_peak_bytes"] == step.graph.no_remat_peak
     step.plan.save(tmp_path / "plan.json")
     step.graph.save(tmp_path / "graph.json")
