@@ -339,3 +339,20 @@ def test_embedding_gradients_are_dense_and_aligned():
     for a, b, v in zip(g1, g2, model.trainable_variables):
         assert a.shape == b.shape == tuple(v.shape)
         assert close(a, b, scale)
+
+
+def test_rnn_loops_are_named_in_a_warning():
+    """A tf.while_loop (an LSTM without ``unroll``) keeps values the plan cannot see: optimize
+    still works, by measurement, and says so, naming the layer and the way out."""
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((8, 4))
+    h = keras.layers.LSTM(16, return_sequences=True, name="rnn")(inp)
+    model = keras.Model(inp, keras.layers.Dense(3)(keras.layers.GlobalAveragePooling1D()(h)))
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  optimizer="adam")
+    with pytest.warns(UserWarning, match=r"tf.while_loop\(s\) \(.*rnn.*unroll=True"):
+        step = tf_remat.optimize(model, budget_gb=1.0, input_spec=tf.TensorSpec((4, 8, 4)),
+                                 label_spec=tf.TensorSpec((4,), tf.int32), attach=False, **FAST)
+    assert step.report["status"] in ("optimal", "feasible")
+    x = tf.random.stateless_normal((4, 8, 4), seed=(1, 2))
+    assert np.isfinite(float(step(x, tf.constant([0, 1, 2, 0]))))

@@ -412,6 +412,26 @@ def test_first_axis_slices_are_views_of_their_input(monkeypatch):
                    for name in ex.graph.names)
 
 
+def test_forward_loops_are_reported_and_unrolled_rnns_have_none():
+    """An LSTM without ``unroll`` is a tf.while_loop whose kept values (TensorLists) the graph
+    cannot size: ``info["loops"]`` names it (``optimize`` warns); unrolled, there is none."""
+    from tf_remat.extract import extract
+
+    loops = {}
+    for unroll in (False, True):
+        keras.utils.set_random_seed(0)
+        inp = keras.Input((8, 4))
+        h = keras.layers.LSTM(16, return_sequences=True, unroll=unroll)(inp)
+        model = keras.Model(inp, keras.layers.Dense(3)(keras.layers.GlobalAveragePooling1D()(h)))
+        model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      optimizer="adam")
+        ex = extract(model, input_spec=tf.TensorSpec((4, 8, 4)),
+                     label_spec=tf.TensorSpec((4,), tf.int32), cost_model="flops", verbose=0)
+        loops[unroll] = ex.info["loops"]
+    assert len(loops[False]) == 1 and "lstm" in loops[False][0]
+    assert loops[True] == []
+
+
 # --------------------------------------------------------------------- profiling
 def test_profile_costs_and_cache_hit(tmp_path, monkeypatch):
     monkeypatch.setenv("TF_REMAT_CACHE", str(tmp_path / "cache"))

@@ -406,6 +406,9 @@ class OptimizedStep:
         t1 = time.perf_counter()
         graph = ex.graph
         budget = self.budget_bytes
+        loops = ex.info.get("loops") or []
+        if loops:
+            self._warn_once("loops", f"tf-remat: {_loops_note(loops)}")
         # the measured peak moves by a few percent from run to run: aim under the budget
         margin = verification_margin(budget, max(graph.memory, default=0))
         target = int(budget * (1 - margin))
@@ -516,7 +519,8 @@ class OptimizedStep:
                 f"budget {format_bytes(budget)} could not be met as TensorFlow measures it: the "
                 f"best plan found predicts {format_bytes(best.plan.peak_memory)} but measures "
                 f"{format_bytes(m)} on this device (after {len(attempts)} attempt(s)); raise "
-                f"the budget to at least {format_bytes(m)} or lower the batch size",
+                f"the budget to at least {format_bytes(m)} or lower the batch size"
+                + (f". {_loops_note(loops)}" if loops else ""),
                 budget=budget, min_feasible=m, plan=best.plan)
         best = accepted
         best.seconds = {"extract": t1 - t0, "rewrite": rewrite_s,
@@ -788,6 +792,16 @@ def _raise_infeasible(graph, plan, budget, opts):
             f"give the solver more time (strategy {plan.strategy!r}, time_limit="
             f"{opts.get('time_limit')})")
     raise InfeasibleBudgetError(msg, budget=budget, min_feasible=reach, plan=plan)
+
+
+def _loops_note(loops) -> str:
+    names = sorted({name.rsplit("/while", 1)[0] for name in loops})
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    return (f"the step runs {len(loops)} tf.while_loop(s) ({shown}): what a loop keeps for its "
+            f"gradient is invisible to the plan, which counts none of its memory and cannot "
+            f"recompute inside it, so only the measured check holds the budget. For an RNN "
+            f"layer, unroll=True (its sequence length is static) makes every time step ops "
+            f"the plan can schedule")
 
 
 def _has_compiled_metrics(model) -> bool:

@@ -461,8 +461,25 @@ def extract(model, *, input_spec, label_spec, loss=None, optimizer=None,
             "trace_seconds": t1 - t0, "group_seconds": t2 - t1, "cost_seconds": t3 - t2,
             "workspace_nodes": sum(1 for b in workspace if b),
             "workspace_bytes": max(workspace, default=0), "workspace_seconds": t4 - t3,
-            "cost_model": cost_model, **pinfo}
+            "cost_model": cost_model, "loops": forward_loops(traced, op_map), **pinfo}
     return Extraction(graph=graph, op_map=op_map, traced=traced, info=info)
+
+
+def forward_loops(traced: TracedStep, op_map: OpMap) -> list:
+    """Names of the forward pass's ``tf.while_loop`` ops (an RNN layer without ``unroll``) that
+    pass values to the backward pass.
+
+    Such a loop keeps every iteration's values for its gradient in TensorLists, variant
+    tensors with no static size: the graph counts none of their memory, and the plan can
+    neither see nor recompute what is inside the loop. ``optimize`` warns and relies on its
+    measurement."""
+    import tensorflow as tf
+
+    live = {name for ops in op_map.nodes for name in ops}
+    fwd = traced.phase_marks[0]
+    return [op.name for op in traced.function.graph.get_operations()
+            if op.type in ("While", "StatelessWhile") and op.name in live
+            and op._id <= fwd and any(t.dtype == tf.variant for t in op.outputs)]  # noqa: SLF001
 
 
 def extract_graph(model, *, input_spec, label_spec, loss=None, optimizer=None,
