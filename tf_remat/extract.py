@@ -868,12 +868,15 @@ def onednn_enabled() -> bool | None:
 
 
 #: see _matmul_conv_gradients: a filter gradient is a sum of ``patches^T @ dL/dy`` products over
-#: slices of the batch, each patch matrix at most this large (TensorFlow's own kernel, without
-#: oneDNN, takes ~27-31 MiB whatever the layer)
-_PATCH_GRAD_BYTES = 8 << 20
-#: ... in at most this many slices; a layer whose patches need more keeps TensorFlow's kernel
-#: (its ~30 MiB are then small beside the layer's own tensors)
+#: slices of the batch, each patch matrix about this large, or larger where that would take more
+#: than _PATCH_GRAD_PIECES slices. Small slices because the allocator rounds: skip_cnn (batch 32,
+#: 2 MiB activations) with 6 MiB slices measured up to 30% over the bytes its kernels requested,
+#: with 2 MiB slices 3-10%
+_PATCH_GRAD_BYTES = 2 << 20
 _PATCH_GRAD_PIECES = 16
+#: ... and never more than this: past it TensorFlow's own kernel (without oneDNN, ~27-31 MiB of
+#: scratch whatever the layer) is kept, being small beside such a layer's own tensors
+_PATCH_GRAD_MAX_BYTES = 8 << 20
 
 
 def _conv_geometry(op, x, w, y):
@@ -923,10 +926,12 @@ def _patch_filter_gradient(x, w, dy, padding, strides):
         dw = tf.linalg.matmul(tf.reshape(x, [n * ho * wo, ci]), tf.reshape(dy, [n * ho * wo, co]),
                               transpose_a=True)
         return tf.reshape(dw, [kh, kw, ci, co])
-    per_piece = _PATCH_GRAD_BYTES // (ho * wo * kh * kw * ci * x.dtype.size)  # samples
-    pieces = -(-n // max(per_piece, 1))
-    if per_piece < 1 or pieces > _PATCH_GRAD_PIECES:
+    sample = ho * wo * kh * kw * ci * x.dtype.size  # one sample's patch matrix
+    per_piece = max(1, _PATCH_GRAD_BYTES // sample, -(-n // _PATCH_GRAD_PIECES))  # samples
+    per_piece = min(per_piece, n)
+    if per_piece * sample > max(_PATCH_GRAD_MAX_BYTES, _PATCH_GRAD_BYTES):
         return None
+    pieces = -(-n // per_piece)
     bounds = [n * i // pieces for i in range(pieces + 1)]
     dw = None
     for lo, hi in zip(bounds, bounds[1:]):
