@@ -149,8 +149,62 @@ def mixer(batch=32, patches=64, dim=128, depth=4):
     return model, tf.TensorSpec((batch, patches, dim)), tf.TensorSpec((batch,), tf.int32)
 
 
+def decoder_gn(batch=16, hw=64):
+    """An encoder-decoder: strided convolutions with GroupNorm and SiLU down, 3x3 stride-2
+    Conv2DTranspose with BatchNorm up, concatenated skips, Dropout at the bottleneck,
+    per-pixel loss."""
+    import keras
+    import tensorflow as tf
+
+    inp = keras.Input((hw, hw, 3))
+    h, skips = inp, []
+    for width in (32, 64):
+        h = keras.layers.Conv2D(width, 3, strides=2, padding="same")(h)
+        h = keras.layers.GroupNormalization(8)(h)
+        h = keras.layers.Activation("silu")(h)
+        skips.append(h)
+    h = keras.layers.Dropout(0.2)(h)
+    for width, skip in zip((32, 16), reversed(skips)):
+        h = keras.layers.Concatenate()([h, skip])
+        h = keras.layers.Conv2DTranspose(width, 3, strides=2, padding="same")(h)
+        h = keras.layers.BatchNormalization()(h)
+        h = keras.layers.Activation("relu")(h)
+    out = keras.layers.Conv2D(3, 3, padding="same")(h)
+    model = keras.Model(inp, out, name="decoder_gn")
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  optimizer=keras.optimizers.Adam(1e-3))
+    return model, tf.TensorSpec((batch, hw, hw, 3)), tf.TensorSpec((batch, hw, hw), tf.int32)
+
+
+def noisy(batch=32, hw=32):
+    """Residual CNN with the training-time random layers: RandomFlip, GaussianNoise,
+    GaussianDropout (a random normal mask per activation), AlphaDropout; BatchNorm."""
+    import keras
+    import tensorflow as tf
+
+    inp = keras.Input((hw, hw, 3))
+    h = keras.layers.RandomFlip("horizontal")(inp)
+    h = keras.layers.GaussianNoise(0.1)(h)
+    h = keras.layers.Conv2D(32, 3, padding="same")(h)
+    for width in (32, 64, 64):
+        r = keras.layers.BatchNormalization()(h)
+        r = keras.layers.Activation("relu")(r)
+        r = keras.layers.Conv2D(width, 3, padding="same")(r)
+        r = keras.layers.GaussianDropout(0.1)(r)
+        r = keras.layers.Conv2D(width, 3, padding="same")(r)
+        s = h if h.shape[-1] == width else keras.layers.Conv2D(width, 1)(h)
+        h = keras.layers.Add()([r, s])
+    h = keras.layers.GlobalAveragePooling2D()(h)
+    out = keras.layers.Dense(10)(keras.layers.AlphaDropout(0.1)(h))
+    model = keras.Model(inp, out, name="noisy")
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  optimizer=keras.optimizers.Adam(1e-3))
+    return model, tf.TensorSpec((batch, hw, hw, 3)), tf.TensorSpec((batch,), tf.int32)
+
+
 MODELS = {"resdrop": resdrop, "unet_bn": unet_bn, "densenet": densenet,
-          "efficientnet": efficientnet, "mixer": mixer}
+          "efficientnet": efficientnet, "mixer": mixer, "decoder_gn": decoder_gn,
+          "noisy": noisy}
 
 
 # --------------------------------------------------------------------- one case
