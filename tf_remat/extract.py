@@ -874,10 +874,9 @@ def onednn_enabled() -> bool | None:
 #: slices the held-out-style "noisy" model (320 nodes instead of 222) missed 60% of its peak,
 #: which it met with 8 MiB ones
 _PATCH_GRAD_BYTES = 8 << 20
+#: ... in at most this many slices; a layer whose slices would be larger keeps TensorFlow's own
+#: kernel (without oneDNN, ~27-31 MiB of scratch, small beside such a layer's own tensors)
 _PATCH_GRAD_PIECES = 16
-#: ... and never more than this: past it TensorFlow's own kernel (without oneDNN, ~27-31 MiB of
-#: scratch whatever the layer) is kept, being small beside such a layer's own tensors
-_PATCH_GRAD_MAX_BYTES = 8 << 20
 
 
 def _conv_geometry(op, x, w, y):
@@ -930,7 +929,7 @@ def _patch_filter_gradient(x, w, dy, padding, strides):
     sample = ho * wo * kh * kw * ci * x.dtype.size  # one sample's patch matrix
     per_piece = max(1, _PATCH_GRAD_BYTES // sample, -(-n // _PATCH_GRAD_PIECES))  # samples
     per_piece = min(per_piece, n)
-    if per_piece * sample > max(_PATCH_GRAD_MAX_BYTES, _PATCH_GRAD_BYTES):
+    if per_piece * sample > _PATCH_GRAD_BYTES:
         return None
     pieces = -(-n // per_piece)
     bounds = [n * i // pieces for i in range(pieces + 1)]
