@@ -14,6 +14,7 @@ keras = pytest.importorskip("keras")
 
 import tf_remat  # noqa: E402
 from tf_remat.errors import InfeasibleBudgetError  # noqa: E402
+from test_extract import loop_model  # noqa: E402
 from test_rewrite import Snapshot, close, mlp, skip_cnn  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -341,18 +342,29 @@ def test_embedding_gradients_are_dense_and_aligned():
         assert close(a, b, scale)
 
 
-def test_rnn_loops_are_named_in_a_warning():
-    """A tf.while_loop (an LSTM without ``unroll``) keeps values the plan cannot see: optimize
+def test_unsized_loops_are_named_in_a_warning():
+    """A tf.while_loop with no static trip count keeps values the plan cannot size: optimize
     still works, by measurement, and says so, naming the layer and the way out."""
+    with pytest.warns(UserWarning, match=r"tf.while_loop\(s\) \(.*looped.*maximum_iterations"):
+        step = tf_remat.optimize(loop_model(), budget_gb=1.0, input_spec=tf.TensorSpec((64, 32)),
+                                 label_spec=tf.TensorSpec((64,), tf.int32), attach=False, **FAST)
+    assert step.report["status"] in ("optimal", "feasible")
+    x = tf.random.stateless_normal((64, 32), seed=(1, 2))
+    assert np.isfinite(float(step(x, tf.zeros((64,), tf.int32))))
+
+
+def test_rnn_loop_memory_bounds_the_budget_and_the_error_says_why():
+    """An LSTM's loop keeps every time step's gates for the backward pass as one value: a
+    budget under it is refused before anything runs, the message naming the loop and
+    ``unroll=True``; the model's weights are untouched."""
     keras.utils.set_random_seed(0)
-    inp = keras.Input((8, 4))
-    h = keras.layers.LSTM(16, return_sequences=True, name="rnn")(inp)
+    inp = keras.Input((32, 16))
+    h = keras.layers.LSTM(128, return_sequences=True, name="rnn")(inp)
     model = keras.Model(inp, keras.layers.Dense(3)(keras.layers.GlobalAveragePooling1D()(h)))
     model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   optimizer="adam")
-    with pytest.warns(UserWarning, match=r"tf.while_loop\(s\) \(.*rnn.*unroll=True"):
-        step = tf_remat.optimize(model, budget_gb=1.0, input_spec=tf.TensorSpec((4, 8, 4)),
-                                 label_spec=tf.TensorSpec((4,), tf.int32), attach=False, **FAST)
-    assert step.report["status"] in ("optimal", "feasible")
-    x = tf.random.stateless_normal((4, 8, 4), seed=(1, 2))
-    assert np.isfinite(float(step(x, tf.constant([0, 1, 2, 0]))))
+    before = [v.numpy().copy() for v in model.variables]
+    with pytest.raises(InfeasibleBudgetError, match=r"tf.while_loop\(s\) \(.*rnn.*unroll=True"):
+        tf_remat.optimize(model, budget_bytes=2 << 20, input_spec=tf.TensorSpec((32, 32, 16)),
+                          label_spec=tf.TensorSpec((32,), tf.int32), attach=False, **FAST)
+    assert all(np.array_equal(a, v.numpy()) for a, v in zip(before, model.variables))

@@ -412,24 +412,79 @@ def test_first_axis_slices_are_views_of_their_input(monkeypatch):
                    for name in ex.graph.names)
 
 
-def test_forward_loops_are_reported_and_unrolled_rnns_have_none():
-    """An LSTM without ``unroll`` is a tf.while_loop whose kept values (TensorLists) the graph
-    cannot size: ``info["loops"]`` names it (``optimize`` warns); unrolled, there is none."""
+class _LoopLayer(keras.layers.Layer):
+    """Three tanh(h @ w) steps in a tf.while_loop, with or without a static trip count."""
+
+    def __init__(self, maximum_iterations=None, **kw):
+        super().__init__(**kw)
+        self.maximum_iterations = maximum_iterations
+
+    def build(self, shape):
+        self.w = self.add_weight(shape=(shape[-1], shape[-1]), initializer="orthogonal")
+
+    def call(self, x):
+        _, h = tf.while_loop(lambda i, h: i < 3, lambda i, h: (i + 1, tf.tanh(h @ self.w)),
+                             (tf.constant(0), x), maximum_iterations=self.maximum_iterations)
+        return h
+
+
+def loop_model(maximum_iterations=None):
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((32,))
+    h = _LoopLayer(maximum_iterations, name="looped")(keras.layers.Dense(32)(inp))
+    model = keras.Model(inp, keras.layers.Dense(3)(h))
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  optimizer="adam")
+    return model
+
+
+def test_loops_without_a_static_trip_count_are_reported():
+    """A tf.while_loop with no static trip count keeps TensorLists the graph cannot size:
+    ``info["loops"]`` names it (``optimize`` warns); with ``maximum_iterations`` its lists are
+    sized (``info["loop_bytes"]``): three (64, 32) float32 values kept per list."""
     from tf_remat.extract import extract
 
-    loops = {}
+    infos = {}
+    for mi in (None, 3):
+        ex = extract(loop_model(mi), input_spec=tf.TensorSpec((64, 32)),
+                     label_spec=tf.TensorSpec((64,), tf.int32), cost_model="flops", verbose=0)
+        infos[mi] = ex.info
+    assert len(infos[None]["loops"]) == 1 and "looped" in infos[None]["loops"][0]
+    assert infos[None]["loop_bytes"] == {}
+    assert infos[3]["loops"] == []
+    (name, kept), = infos[3]["loop_bytes"].items()
+    assert "looped" in name and kept >= 3 * 64 * 32 * 4 and kept % (3 * 64 * 32 * 4) == 0
+
+
+def test_rnn_loop_memory_is_counted():
+    """A Keras LSTM without ``unroll`` runs a tf.while_loop whose sequence length is static:
+    what it keeps for its gradient (gates and states of every time step, in TensorLists) is
+    sized, so the plain step's simulated peak is the measured one (it was a third of it when
+    the lists counted nothing); unrolled, there is no loop at all."""
+    from tf_remat.api import measure_step_peak
+    from tf_remat.extract import extract
+
+    infos, graphs = {}, {}
     for unroll in (False, True):
         keras.utils.set_random_seed(0)
-        inp = keras.Input((8, 4))
-        h = keras.layers.LSTM(16, return_sequences=True, unroll=unroll)(inp)
+        inp = keras.Input((32, 16))
+        h = keras.layers.LSTM(128, return_sequences=True, unroll=unroll)(inp)
         model = keras.Model(inp, keras.layers.Dense(3)(keras.layers.GlobalAveragePooling1D()(h)))
         model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                       optimizer="adam")
-        ex = extract(model, input_spec=tf.TensorSpec((4, 8, 4)),
-                     label_spec=tf.TensorSpec((4,), tf.int32), cost_model="flops", verbose=0)
-        loops[unroll] = ex.info["loops"]
-    assert len(loops[False]) == 1 and "lstm" in loops[False][0]
-    assert loops[True] == []
+        ex = extract(model, input_spec=tf.TensorSpec((32, 32, 16)),
+                     label_spec=tf.TensorSpec((32,), tf.int32), cost_model="flops", verbose=0)
+        infos[unroll], graphs[unroll] = ex.info, ex.graph
+        if not unroll:
+            x = tf.random.stateless_normal((32, 32, 16), seed=(1, 2))
+            measured = measure_step_peak(ex.traced.function, x, tf.zeros((32,), tf.int32),
+                                         variables=ex.traced.variables)["step_peak_bytes"]
+    assert infos[False]["loops"] == [] and infos[True]["loops"] == []
+    (name, kept), = infos[False]["loop_bytes"].items()
+    # at least the four gate activations of each of the 32 steps, (32, 128) float32 each
+    assert "lstm" in name and kept >= 32 * 4 * 32 * 128 * 4
+    assert infos[True]["loop_bytes"] == {}
+    assert 0.85 * measured <= graphs[False].no_remat_peak <= 1.25 * measured
 
 
 # --------------------------------------------------------------------- profiling

@@ -450,7 +450,7 @@ class OptimizedStep:
             info = {"time_limit": this_limit, "solve_seconds": round(solve_s, 3)}
             if not plan.within_budget:
                 if solve_budget >= budget:
-                    _raise_infeasible(graph, plan, budget, o)
+                    _raise_infeasible(graph, plan, budget, o, ex.info.get("loop_bytes"))
                 attempts.append({"solve_budget": solve_budget, "predicted": None,
                                  "measured": None, **info})
                 no_plan = solve_budget
@@ -769,7 +769,7 @@ def _budget_bytes(budget_gb, budget_bytes) -> int:
     return int(value)
 
 
-def _raise_infeasible(graph, plan, budget, opts):
+def _raise_infeasible(graph, plan, budget, opts, loop_bytes=None):
     lb = graph.budget_lower_bound
     reach = plan.peak_memory if plan.steps else None
     # a cheap search for the smallest peak any plan reaches, for the message
@@ -791,17 +791,25 @@ def _raise_infeasible(graph, plan, budget, opts):
             f" Raise the budget to at least {format_bytes(reach)}, lower the batch size, or "
             f"give the solver more time (strategy {plan.strategy!r}, time_limit="
             f"{opts.get('time_limit')})")
+    if loop_bytes:
+        names = sorted({name.rsplit("/while", 1)[0] for name in loop_bytes})
+        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        msg += (f". The step's tf.while_loop(s) ({shown}) keep "
+                f"{format_bytes(sum(loop_bytes.values()))} for the backward pass, which a plan "
+                f"must keep until then (a loop runs once: it reads weights inside its body); "
+                f"for an RNN layer, unroll=True (its sequence length is static) makes every "
+                f"time step ops the plan can schedule and recompute")
     raise InfeasibleBudgetError(msg, budget=budget, min_feasible=reach, plan=plan)
 
 
 def _loops_note(loops) -> str:
     names = sorted({name.rsplit("/while", 1)[0] for name in loops})
     shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
-    return (f"the step runs {len(loops)} tf.while_loop(s) ({shown}): what a loop keeps for its "
-            f"gradient is invisible to the plan, which counts none of its memory and cannot "
-            f"recompute inside it, so only the measured check holds the budget. For an RNN "
-            f"layer, unroll=True (its sequence length is static) makes every time step ops "
-            f"the plan can schedule")
+    return (f"the step runs {len(loops)} tf.while_loop(s) ({shown}) whose trip count is not "
+            f"static: what such a loop keeps for its gradient is invisible to the plan, which "
+            f"counts none of its memory, so only the measured check holds the budget. Give "
+            f"the loop a static maximum_iterations (its memory is then counted) or unroll it "
+            f"(for an RNN layer, unroll=True makes every time step ops the plan can schedule)")
 
 
 def _has_compiled_metrics(model) -> bool:

@@ -461,25 +461,49 @@ def extract(model, *, input_spec, label_spec, loss=None, optimizer=None,
             "trace_seconds": t1 - t0, "group_seconds": t2 - t1, "cost_seconds": t3 - t2,
             "workspace_nodes": sum(1 for b in workspace if b),
             "workspace_bytes": max(workspace, default=0), "workspace_seconds": t4 - t3,
-            "cost_model": cost_model, "loops": forward_loops(traced, op_map), **pinfo}
+            "cost_model": cost_model, "loops": forward_loops(traced, op_map),
+            "loop_bytes": loop_memory(traced, op_map), **pinfo}
     return Extraction(graph=graph, op_map=op_map, traced=traced, info=info)
 
 
-def forward_loops(traced: TracedStep, op_map: OpMap) -> list:
-    """Names of the forward pass's ``tf.while_loop`` ops (an RNN layer without ``unroll``) that
-    pass values to the backward pass.
-
-    Such a loop keeps every iteration's values for its gradient in TensorLists, variant
-    tensors with no static size: the graph counts none of their memory, and the plan can
-    neither see nor recompute what is inside the loop. ``optimize`` warns and relies on its
-    measurement."""
+def _forward_whiles(traced: TracedStep, op_map: OpMap) -> list:
+    """The forward pass's ``tf.while_loop`` ops that the step runs and that pass TensorLists
+    (variant tensors) on."""
     import tensorflow as tf
 
     live = {name for ops in op_map.nodes for name in ops}
     fwd = traced.phase_marks[0]
-    return [op.name for op in traced.function.graph.get_operations()
+    return [op for op in traced.function.graph.get_operations()
             if op.type in ("While", "StatelessWhile") and op.name in live
             and op._id <= fwd and any(t.dtype == tf.variant for t in op.outputs)]  # noqa: SLF001
+
+
+def forward_loops(traced: TracedStep, op_map: OpMap) -> list:
+    """Names of the forward pass's ``tf.while_loop`` ops that pass values to the backward pass
+    in TensorLists the graph cannot size (:func:`loop_list_bytes`: a loop with no static trip
+    count, or a list that is not one tensor per iteration).
+
+    Such a loop keeps every iteration's values for its gradient in TensorLists, variant
+    tensors with no static size: the graph counts none of their memory. ``optimize`` warns and
+    relies on its measurement. A Keras RNN layer's loop (its sequence length is static) is
+    sized and is not listed (see :func:`loop_memory`)."""
+    import tensorflow as tf
+
+    return [op.name for op in _forward_whiles(traced, op_map)
+            if any(t.dtype == tf.variant and k not in loop_list_bytes(op)
+                   for k, t in enumerate(op.outputs))]
+
+
+def loop_memory(traced: TracedStep, op_map: OpMap) -> dict:
+    """``{loop op name: bytes}``: what each forward ``tf.while_loop`` keeps in TensorLists for
+    the backward pass, as the graph counts it. A loop op is stateful (its body reads weights)
+    and runs once, so a plan keeps these lists from the loop to its gradient."""
+    out = {}
+    for op in _forward_whiles(traced, op_map):
+        b = sum(loop_list_bytes(op).values())
+        if b:
+            out[op.name] = int(b)
+    return out
 
 
 def extract_graph(model, *, input_spec, label_spec, loss=None, optimizer=None,
@@ -1094,6 +1118,83 @@ def tensor_bytes(t) -> int:
     return 0 if n is None else int(n) * t.dtype.size
 
 
+def _static_int(t):
+    """A scalar int tensor's value when the graph fixes it (through ``Identity`` and the
+    ``Max`` over no axes that ``tf.while_loop`` wraps ``maximum_iterations`` in), else None."""
+    import numpy as np
+    import tensorflow as tf
+
+    for _ in range(8):
+        v = tf.get_static_value(t)
+        if v is not None:
+            return int(v) if np.ndim(v) == 0 else None
+        if t.op.type in ("Identity", "Max", "Maximum") and t.op.inputs:
+            if t.op.type == "Max" and tf.get_static_value(t.op.inputs[1]) is None:
+                return None
+            if t.op.type == "Maximum":
+                vals = [_static_int(i) for i in t.op.inputs]
+                return None if None in vals else max(vals)
+            t = t.op.inputs[0]
+            continue
+        return None
+    return None
+
+
+def loop_list_bytes(op) -> dict:
+    """``{output index: bytes}`` for the TensorLists a ``tf.while_loop`` op fills, where the
+    graph fixes their size.
+
+    A TensorList is a variant tensor with no static size, but what it holds is known: a
+    gradient accumulator (an ``EmptyTensorList`` the body pushes one tensor to per iteration)
+    holds the trip count (``maximum_iterations``) times that tensor; a ``TensorListReserve``
+    (an RNN's output sequence) its element shape times its length. A pushed tensor that is a
+    variable read, an item of another list or a value the loop passes through unchanged shares
+    a buffer held anyway and counts nothing."""
+    import numpy as np
+    import tensorflow as tf
+
+    if op.type not in ("While", "StatelessWhile"):
+        return {}
+    variants = [k for k, t in enumerate(op.outputs) if t.dtype == tf.variant]
+    if not variants:
+        return {}
+    try:
+        body = op.graph._get_function(op.get_attr("body").name).graph  # noqa: SLF001
+    except Exception:  # noqa: BLE001 (no function body to read: leave the lists unsized)
+        return {}
+    if len(body.outputs) != len(op.outputs) or len(body.inputs) < len(op.outputs):
+        return {}
+    trip = _static_int(op.inputs[1]) if len(op.inputs) > 1 else None
+
+    def source(t):
+        while t.op.type == "Identity" and t.op.inputs:
+            t = t.op.inputs[0]
+        return t
+
+    invariant = {id(body.inputs[i]) for i in range(len(op.outputs))
+                 if source(body.outputs[i]) is body.inputs[i]}
+    sizes = {}
+    for k in variants:
+        init = op.inputs[k].op
+        if id(body.inputs[k]) in invariant:
+            sizes[k] = 0  # the list the loop reads (an RNN's input sequence) is its input's
+        elif init.type == "TensorListReserve":
+            shape = tf.get_static_value(init.inputs[0])
+            n = _static_int(init.inputs[1])
+            if shape is not None and n is not None and np.ndim(shape) == 1 and \
+                    all(d >= 0 for d in shape):
+                sizes[k] = int(n) * int(np.prod(shape)) * init.get_attr("element_dtype").size
+        elif init.type == "EmptyTensorList" and trip is not None and trip >= 0:
+            push = source(body.outputs[k]).op
+            if push.type != "TensorListPushBack":
+                continue
+            e = source(push.inputs[1])
+            fresh = e.op.type not in ("ReadVariableOp", "TensorListGetItem") and \
+                id(e) not in invariant
+            sizes[k] = trip * tensor_bytes(e) if fresh else 0
+    return sizes
+
+
 def _first_axis_slice_view(op) -> bool:
     """Whether a ``StridedSlice`` / ``Slice`` takes a range of the first axis (or one entry of
     it) with every other axis whole, one row being a multiple of 64 bytes: TensorFlow's kernels
@@ -1168,6 +1269,13 @@ class _Analysis:
             for c in cins:
                 self.ctrl_out[c].append(j)
         self.out_bytes = [[tensor_bytes(t) for t in op.outputs] for op in self.ops]
+        # TensorLists: what a forward tf.while_loop keeps for its gradient, an RNN's input
+        # sequence as a list (TensorListFromTensor copies every element)
+        for j, op in enumerate(self.ops):
+            for k, b in loop_list_bytes(op).items():
+                self.out_bytes[j][k] = b
+            if op.type == "TensorListFromTensor" and op.inputs:
+                self.out_bytes[j][0] = tensor_bytes(op.inputs[0])
         self.view = [op.type in VIEW_OPS or _first_axis_slice_view(op) for op in self.ops]
         fwd, bwd = traced.phase_marks
         self.phase = []
