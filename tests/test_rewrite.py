@@ -64,7 +64,19 @@ def mlp(batch=1024, d=256, width=512, depth=3):
     return model, tf.TensorSpec((batch, d)), tf.TensorSpec((batch,), tf.int32)
 
 
-BUILDERS = {"skip_cnn": skip_cnn, "mlp": mlp}
+def rnn(batch=64, steps=16, features=8, units=64, width=512):
+    """An LSTM without ``unroll`` (a tf.while_loop) under dense layers with dropout."""
+    inp = keras.Input((steps, features))
+    h = keras.layers.Flatten()(keras.layers.LSTM(units, return_sequences=True)(inp))
+    for _ in range(3):
+        h = keras.layers.Dropout(0.1)(keras.layers.Dense(width, activation="relu")(h))
+    model = keras.Model(inp, keras.layers.Dense(10)(h), name="rnn")
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  optimizer="adam")
+    return model, tf.TensorSpec((batch, steps, features)), tf.TensorSpec((batch,), tf.int32)
+
+
+BUILDERS = {"skip_cnn": skip_cnn, "mlp": mlp, "rnn": rnn}
 _CACHE = {}
 
 
@@ -231,6 +243,27 @@ def test_recomputing_plan_same_loss_gradients_updates(name):
         step = rewrite(ex.traced, ex.graph, ex.op_map, plan)
         assert step.info["recomputed_ops"] > 0
         assert_same_step(ex, step, *batch_for(ex))
+
+
+def test_loops_run_one_iteration_at_a_time_and_compute_the_same_step():
+    """A recomputing plan around an LSTM's loop: same loss, gradients and updates, and every
+    loop of the new step (the forward one and its gradient) runs one iteration at a time
+    (``parallel_iterations=1``): by default up to 32 run at once and a backward loop held the
+    weight gradients of many steps before summing them, 8 MiB over the plan on some runs."""
+    from tf_remat.rewrite import build_graph_def, rewrite
+
+    ex = extracted("rnn")
+    plan = plan_for(ex, 0.9)
+    counts = simulate(ex.graph, plan.steps).compute_counts
+    assert plan.within_budget and max(counts) > 1, "the test plan must recompute something"
+    step = rewrite(ex.traced, ex.graph, ex.op_map, plan, chain="node")
+    assert_same_step(ex, step, *batch_for(ex))
+    gd = build_graph_def(ex.traced, ex.op_map, plan.sequence, chain="node")[0]
+    loops = [nd for nd in gd.node if nd.op in ("While", "StatelessWhile")]
+    assert len(loops) >= 2 and step.info["sequential_loops"] == len(loops)
+    assert all(nd.attr["parallel_iterations"].i == 1 for nd in loops)
+    assert all(op.get_attr("parallel_iterations") == 32 for op in
+               ex.traced.function.graph.get_operations() if op.type == "While")
 
 
 def test_copies_reading_updated_weights_read_the_old_values():

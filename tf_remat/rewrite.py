@@ -54,6 +54,9 @@ __all__ = ["RewrittenStep", "rewrite", "build_graph_def", "copy_name"]
 
 #: suffix of the k-th recomputed copy of an op
 _COPY = "/_remat"
+#: loop ops whose iterations the rewritten step runs at most this many at a time
+_LOOP_OPS = ("While", "StatelessWhile")
+_LOOP_PARALLEL = 1
 
 
 def copy_name(op_name: str, k: int) -> str:
@@ -215,6 +218,7 @@ def build_graph_def(traced, op_map, sequence, *, chain: str = "op"):
     emitted = 0
     chain_edges = 0
     fused_pairs = 0
+    loops = 0
     in_node_sets = {}
     markers = {}              # chained op -> the op that stands for it in control edges
     partners = {}             # per node: op -> the op it is fused with (both directions)
@@ -273,6 +277,13 @@ def build_graph_def(traced, op_map, sequence, *, chain: str = "op"):
             c.input.extend(_dedup(ins))
             if "_class" in c.attr:
                 del c.attr["_class"]
+            if c.op in _LOOP_OPS and c.attr["parallel_iterations"].i > _LOOP_PARALLEL:
+                # iterations run ahead of each other by default (up to 32 at once): a backward
+                # RNN loop then holds the per-step weight gradients of many steps before they
+                # are summed (8 MiB more for a 256-unit LSTM, on some runs and not others);
+                # one at a time, a loop holds what the graph counts for it
+                c.attr["parallel_iterations"].i = _LOOP_PARALLEL
+                loops += 1
             emitted += 1
             if chain == "op":
                 if after is prev_tail:
@@ -298,7 +309,7 @@ def build_graph_def(traced, op_map, sequence, *, chain: str = "op"):
     info = {"node_ops": sum(len(o) for o in op_map.nodes), "ops_emitted": emitted,
             "recomputed_ops": emitted - sum(len(o) for o in op_map.nodes),
             "fixed_ops": len(fixed), "chain": chain, "chain_edges": chain_edges,
-            "fused_pairs": fused_pairs,
+            "fused_pairs": fused_pairs, "sequential_loops": loops,
             "tails": list(prev_tail)}
     return out, outputs, prev_tail, info
 
