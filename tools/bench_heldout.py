@@ -202,9 +202,24 @@ def noisy(batch=32, hw=32):
     return model, tf.TensorSpec((batch, hw, hw, 3)), tf.TensorSpec((batch,), tf.int32)
 
 
+def bilstm(batch=32, steps=64, features=32):
+    """Bidirectional LSTM, Dropout, LSTM (no ``unroll``: tf.while_loops whose TensorLists the
+    graph sizes from the loop bodies)."""
+    import keras
+    import tensorflow as tf
+
+    inp = keras.Input((steps, features))
+    h = keras.layers.Bidirectional(keras.layers.LSTM(128, return_sequences=True))(inp)
+    h = keras.layers.LSTM(64)(keras.layers.Dropout(0.2)(h))
+    model = keras.Model(inp, keras.layers.Dense(10)(h), name="bilstm")
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  optimizer=keras.optimizers.Adam(1e-3))
+    return model, tf.TensorSpec((batch, steps, features)), tf.TensorSpec((batch,), tf.int32)
+
+
 MODELS = {"resdrop": resdrop, "unet_bn": unet_bn, "densenet": densenet,
           "efficientnet": efficientnet, "mixer": mixer, "decoder_gn": decoder_gn,
-          "noisy": noisy}
+          "noisy": noisy, "bilstm": bilstm}
 
 
 # --------------------------------------------------------------------- one case
