@@ -456,11 +456,14 @@ def test_loops_without_a_static_trip_count_are_reported():
     assert "looped" in name and kept >= 3 * 64 * 32 * 4 and kept % (3 * 64 * 32 * 4) == 0
 
 
-def test_rnn_loop_memory_is_counted():
-    """A Keras LSTM without ``unroll`` runs a tf.while_loop whose sequence length is static:
+@pytest.mark.parametrize("layer", ["LSTM", "SimpleRNN"])
+def test_rnn_loop_memory_is_counted(layer):
+    """A Keras RNN without ``unroll`` runs a tf.while_loop whose sequence length is static:
     what it keeps for its gradient (gates and states of every time step, in TensorLists) is
-    sized, so the plain step's simulated peak is the measured one (it was a third of it when
-    the lists counted nothing); unrolled, there is no loop at all."""
+    sized, so the plain step's simulated peak is the measured one (for the LSTM it was a third
+    of it when the lists counted nothing; for the SimpleRNN 1.45 times it when its state,
+    kept in the output sequence, as the step's result and as the next step's input, counted
+    three times); unrolled, there is no loop at all."""
     from tf_remat.api import measure_step_peak
     from tf_remat.extract import extract
 
@@ -468,7 +471,7 @@ def test_rnn_loop_memory_is_counted():
     for unroll in (False, True):
         keras.utils.set_random_seed(0)
         inp = keras.Input((32, 16))
-        h = keras.layers.LSTM(128, return_sequences=True, unroll=unroll)(inp)
+        h = getattr(keras.layers, layer)(128, return_sequences=True, unroll=unroll)(inp)
         model = keras.Model(inp, keras.layers.Dense(3)(keras.layers.GlobalAveragePooling1D()(h)))
         model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                       optimizer="adam")
@@ -477,14 +480,15 @@ def test_rnn_loop_memory_is_counted():
         infos[unroll], graphs[unroll] = ex.info, ex.graph
         if not unroll:
             x = tf.random.stateless_normal((32, 32, 16), seed=(1, 2))
-            measured = measure_step_peak(ex.traced.function, x, tf.zeros((32,), tf.int32),
-                                         variables=ex.traced.variables)["step_peak_bytes"]
+            measured = min(measure_step_peak(ex.traced.function, x, tf.zeros((32,), tf.int32),
+                                             variables=ex.traced.variables)["step_peak_bytes"]
+                           for _ in range(2))
     assert infos[False]["loops"] == [] and infos[True]["loops"] == []
     (name, kept), = infos[False]["loop_bytes"].items()
-    # at least the four gate activations of each of the 32 steps, (32, 128) float32 each
-    assert "lstm" in name and kept >= 32 * 4 * 32 * 128 * 4
+    # at least each of the 32 steps' state, (32, 128) float32 (an LSTM keeps 4 gates more)
+    assert layer.lower()[:4] in name.replace("_", "") and kept >= 32 * 32 * 128 * 4
     assert infos[True]["loop_bytes"] == {}
-    assert 0.85 * measured <= graphs[False].no_remat_peak <= 1.25 * measured
+    assert 0.85 * measured <= graphs[False].no_remat_peak <= 1.15 * measured
 
 
 # --------------------------------------------------------------------- profiling

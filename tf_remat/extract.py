@@ -1149,7 +1149,9 @@ def loop_list_bytes(op) -> dict:
     holds the trip count (``maximum_iterations``) times that tensor; a ``TensorListReserve``
     (an RNN's output sequence) its element shape times its length. A pushed tensor that is a
     variable read, an item of another list or a value the loop passes through unchanged shares
-    a buffer held anyway and counts nothing."""
+    a buffer held anyway and counts nothing; so does a tensor another list keeps already (an
+    RNN keeps its state in its output sequence and, for the gradient, both as the step's
+    result and as the next step's input)."""
     import numpy as np
     import tensorflow as tf
 
@@ -1173,25 +1175,42 @@ def loop_list_bytes(op) -> dict:
 
     invariant = {id(body.inputs[i]) for i in range(len(op.outputs))
                  if source(body.outputs[i]) is body.inputs[i]}
-    sizes = {}
+    carried = {id(body.inputs[i]): source(body.outputs[i]) for i in range(len(op.outputs))}
+
+    def buffer(e):
+        """The body tensor whose buffer a kept element is: a loop-carried input is the value
+        the previous iteration passed on (an RNN keeps its state both ways, and in its output
+        sequence too: one buffer, counted once)."""
+        e = source(e)
+        return carried.get(id(e), e) if id(e) not in invariant else e
+
+    sizes, counted = {}, set()
     for k in variants:
         init = op.inputs[k].op
         if id(body.inputs[k]) in invariant:
             sizes[k] = 0  # the list the loop reads (an RNN's input sequence) is its input's
-        elif init.type == "TensorListReserve":
+            continue
+        write = source(body.outputs[k]).op
+        if write.type not in ("TensorListPushBack", "TensorListSetItem"):
+            continue
+        e = source(write.inputs[-1])
+        if e.op.type in ("ReadVariableOp", "TensorListGetItem") or id(e) in invariant:
+            sizes[k] = 0  # shares the buffer of a weight or of another list's item
+            continue
+        if init.type == "TensorListReserve" and write.type == "TensorListSetItem":
             shape = tf.get_static_value(init.inputs[0])
             n = _static_int(init.inputs[1])
-            if shape is not None and n is not None and np.ndim(shape) == 1 and \
-                    all(d >= 0 for d in shape):
-                sizes[k] = int(n) * int(np.prod(shape)) * init.get_attr("element_dtype").size
-        elif init.type == "EmptyTensorList" and trip is not None and trip >= 0:
-            push = source(body.outputs[k]).op
-            if push.type != "TensorListPushBack":
+            if shape is None or n is None or np.ndim(shape) != 1 or any(d < 0 for d in shape):
                 continue
-            e = source(push.inputs[1])
-            fresh = e.op.type not in ("ReadVariableOp", "TensorListGetItem") and \
-                id(e) not in invariant
-            sizes[k] = trip * tensor_bytes(e) if fresh else 0
+            each = int(np.prod(shape)) * init.get_attr("element_dtype").size
+        elif init.type == "EmptyTensorList" and write.type == "TensorListPushBack" and \
+                trip is not None and trip >= 0:
+            n, each = trip, tensor_bytes(e)
+        else:
+            continue
+        key = id(buffer(e))
+        sizes[k] = 0 if key in counted else int(n) * each
+        counted.add(key)
     return sizes
 
 
