@@ -495,11 +495,14 @@ def forward_loops(traced: TracedStep, op_map: OpMap) -> list:
 
 
 def loop_memory(traced: TracedStep, op_map: OpMap) -> dict:
-    """``{loop op name: bytes}``: what each forward ``tf.while_loop`` keeps in TensorLists for
-    the backward pass, as the graph counts it. A loop op is stateful (its body reads weights)
-    and runs once, so a plan keeps these lists from the loop to its gradient."""
+    """``{loop op name: bytes}``: what each forward ``tf.while_loop`` that runs once keeps in
+    TensorLists for the backward pass, as the graph counts it. A ``While`` whose body reads
+    weights (every Keras RNN's) is stateful and is never recomputed, so a plan keeps these
+    lists from the loop to its gradient: they bound the budget from below."""
     out = {}
     for op in _forward_whiles(traced, op_map):
+        if not _non_recomputable(op):
+            continue
         b = sum(loop_list_bytes(op).values())
         if b:
             out[op.name] = int(b)
