@@ -84,7 +84,8 @@ def test_optimized_step_trains_like_keras(builder, fraction):
     # the mlp's 90% can be met by the order alone; the cnn needs recomputation
     assert rep["recomputed_nodes"] > 0 or builder is mlp
     # the first solve aims under the budget by the verification margin (a plan simulated
-    # above it would measure above it); re-solves get a quarter of the time limit each
+    # above it would measure above it); re-solves get a quarter of the time limit each once a
+    # step within the budget exists, the whole limit before
     from tf_remat.api import verification_margin
 
     tries = step._primary().attempts
@@ -93,7 +94,10 @@ def test_optimized_step_trains_like_keras(builder, fraction):
     aim = max(int(budget * (1 - margin)), step.graph.budget_lower_bound)
     assert tries[0]["solve_budget"] == min(aim, budget)
     assert tries[0]["time_limit"] == FAST["time_limit"]
-    assert all(t["time_limit"] <= FAST["time_limit"] / 4 for t in tries[1:])
+    for i, t in enumerate(tries[1:], 1):
+        met = any(p["measured"] is not None and p["measured"] <= budget for p in tries[:i])
+        assert t["time_limit"] <= FAST["time_limit"] / 4 if met else \
+            t["time_limit"] == FAST["time_limit"]
     x, y = (tf.constant(a) for a in data(xs, ys, seed=1))
     variables = list({id(v): v for v in list(ref.variables) +
                       list(step.rewritten.traced.variables)}.values())
