@@ -431,12 +431,12 @@ class OptimizedStep:
         resolve_left = None if limit is None else _RESOLVE_SHARE * limit
         for attempt in range(_MAX_ATTEMPTS if o["verify"] else 1):
             this_limit = limit
+            # until a step within the budget exists, meeting it matters more than the time and
+            # a re-solve gets the whole limit (the demo's step on a loaded 2-core machine: at a
+            # quarter of its 10 s no plan was found for 85-95 MiB, which 10 s found, and
+            # optimize gave up on a budget that such a plan meets)
             met = best is not None and best.measured["step_peak_bytes"] <= budget
             if attempt and limit is not None and met:
-                # nothing within the budget yet: meeting it matters more than the time, and a
-                # re-solve gets the whole limit (the demo's step on a loaded 2-core machine: at
-                # a quarter of its 10 s no plan was found for 85-95 MiB, which 10 s found, and
-                # optimize gave up on a budget that such a plan meets)
                 if resolve_left < max(1.0, 0.05 * limit):
                     if verbose:
                         print(f"tf-remat: re-solve time ({_RESOLVE_SHARE * limit:g} s) "
@@ -803,9 +803,7 @@ def _raise_infeasible(graph, plan, budget, opts, loop_bytes=None):
             f"give the solver more time (strategy {plan.strategy!r}, time_limit="
             f"{opts.get('time_limit')})")
     if loop_bytes:
-        names = sorted({name.rsplit("/while", 1)[0] for name in loop_bytes})
-        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
-        msg += (f". The step's tf.while_loop(s) ({shown}) keep "
+        msg += (f". The step's tf.while_loop(s) ({_loop_layers(loop_bytes)}) keep "
                 f"{format_bytes(sum(loop_bytes.values()))} for the backward pass, which a plan "
                 f"must keep until then (a loop runs once: it reads weights inside its body); "
                 f"for an RNN layer, unroll=True (its sequence length is static) makes every "
@@ -813,10 +811,14 @@ def _raise_infeasible(graph, plan, budget, opts, loop_bytes=None):
     raise InfeasibleBudgetError(msg, budget=budget, min_feasible=reach, plan=plan)
 
 
-def _loops_note(loops) -> str:
+def _loop_layers(loops) -> str:
+    """The layers that run the loop ops named in ``loops``, at most four shown."""
     names = sorted({name.rsplit("/while", 1)[0] for name in loops})
-    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
-    return (f"the step runs {len(loops)} tf.while_loop(s) ({shown}) whose trip count is not "
+    return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+
+
+def _loops_note(loops) -> str:
+    return (f"the step runs {len(loops)} tf.while_loop(s) ({_loop_layers(loops)}) whose trip count is not "
             f"static: what such a loop keeps for its gradient is invisible to the plan, which "
             f"counts none of its memory, so only the measured check holds the budget. Give "
             f"the loop a static maximum_iterations (its memory is then counted) or unroll it "

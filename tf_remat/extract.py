@@ -1131,12 +1131,9 @@ def _static_int(t):
         v = tf.get_static_value(t)
         if v is not None:
             return int(v) if np.ndim(v) == 0 else None
-        if t.op.type in ("Identity", "Max", "Maximum") and t.op.inputs:
+        if t.op.type in ("Identity", "Max") and t.op.inputs:
             if t.op.type == "Max" and tf.get_static_value(t.op.inputs[1]) is None:
                 return None
-            if t.op.type == "Maximum":
-                vals = [_static_int(i) for i in t.op.inputs]
-                return None if None in vals else max(vals)
             t = t.op.inputs[0]
             continue
         return None
