@@ -457,7 +457,9 @@ class OptimizedStep:
                     _raise_infeasible(graph, plan, budget, o, ex.info.get("loop_bytes"))
                 attempts.append({"solve_budget": solve_budget, "predicted": None,
                                  "measured": None, **info})
-                no_plan = solve_budget
+                # the highest budget without a plan bounds the search from below; a failed try
+                # under it (see below_no_plan) does not lower that bound
+                no_plan = solve_budget if no_plan is None else max(no_plan, solve_budget)
                 if too_high is None:
                     nxt = budget  # nothing fits the target: the budget itself (or the error)
                 else:

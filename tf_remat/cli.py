@@ -341,7 +341,9 @@ def _build_parser() -> argparse.ArgumentParser:
     s.add_argument("--budget", default=None,
                    help="fraction of the plain peak or a size (default: 0.6 of the measured "
                         "plain step when training, 0.8 of the no-remat peak with --graph)")
-    s.add_argument("--time-limit", type=float, default=10.0, help="solver seconds (per strategy)")
+    s.add_argument("--time-limit", type=float, default=None,
+                   help="solver seconds (default 30 per solve when training, 10 per strategy "
+                        "with --graph)")
     s.add_argument("--model", default=None, help="zoo model to train (default bn_cnn)")
     s.add_argument("--batch", type=int, default=None, help="batch size (default 128)")
     s.add_argument("--epochs", type=int, default=None, help="epochs of model.fit (default 2)")

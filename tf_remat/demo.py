@@ -37,7 +37,7 @@ def run_demo(args) -> int:
             return run_training_demo(args)
     path = graph if graph and graph != "bundled" else bundled_graph_path()
     return solver_table(path, getattr(args, "budget", None) or "0.8",
-                        time_limit=getattr(args, "time_limit", 10.0))
+                        time_limit=getattr(args, "time_limit", None) or 10.0)
 
 
 def solver_table(path: str, budget="0.8", *, time_limit: float = 10.0, strategies=None,

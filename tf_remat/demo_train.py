@@ -69,7 +69,9 @@ def run_training_demo(args) -> int:
     batch = int(getattr(args, "batch", None) or DEFAULT_BATCH)
     epochs = int(getattr(args, "epochs", None) or 2)
     strategy = getattr(args, "strategy", None) or "auto"
-    time_limit = float(getattr(args, "time_limit", None) or 10.0)
+    # 30 s: the portfolio is mostly FastSA at this size, and on a 2-core machine with other
+    # work running, 10 s solves found no plan at budgets 30 s reach, and the demo gave up
+    time_limit = float(getattr(args, "time_limit", None) or 30.0)
     plot_path = getattr(args, "output", None) or "demo_memory.png"
     verbose = 0 if getattr(args, "quiet", False) else 1
     out = sys.stdout
