@@ -312,7 +312,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("extract", help="trace a zoo model's training step into a graph file")
     s.add_argument("--model", required=True, help="zoo model: vgg16, vgg19, mobilenet, "
-                   "resnet50, unet, fcn8, segnet, transformer, bn_cnn")
+                   "resnet50, unet, fcn8, segnet, transformer, bn_cnn, bn_cnn12")
     s.add_argument("--batch", type=int, default=8, help="batch size")
     s.add_argument("--input", default=None, help="input size HxW (sequence length for "
                                                  "transformer); default: the model's")
@@ -344,7 +344,7 @@ def _build_parser() -> argparse.ArgumentParser:
     s.add_argument("--time-limit", type=float, default=None,
                    help="solver seconds (default 30 per solve when training, 10 per strategy "
                         "with --graph)")
-    s.add_argument("--model", default=None, help="zoo model to train (default bn_cnn)")
+    s.add_argument("--model", default=None, help="zoo model to train (default bn_cnn12)")
     s.add_argument("--batch", type=int, default=None, help="batch size (default 128)")
     s.add_argument("--epochs", type=int, default=None, help="epochs of model.fit (default 2)")
     s.add_argument("--strategy", default=None, help="strategy for optimize (default auto)")

@@ -2,8 +2,8 @@
 
 Steps (all on synthetic data, on this machine's device):
 
-1. the model (zoo ``bn_cnn`` by default: 6 conv + BatchNorm + ReLU, max pooling, Dropout, a dense
-   head) and its plain Keras training step; the plain step's **measured** peak (TensorFlow's
+1. the model (zoo ``bn_cnn12`` by default: 12 conv + BatchNorm + ReLU, max pooling, Dropout, a
+   dense head) and its plain Keras training step; the plain step's **measured** peak (TensorFlow's
    allocator: ``reset_memory_stats`` / ``get_memory_info``) and step time. TensorFlow's
    allocator adds up to ~25% to a step's peak depending on what was allocated before it (see
    the README), so both steps are measured the way ``optimize`` verifies a plan: beside
@@ -38,6 +38,8 @@ __all__ = ["run_training_demo", "DEFAULT_FRACTION"]
 
 #: budget when none is given: this fraction of the plain step's measured peak
 DEFAULT_FRACTION = 0.6
+#: the bundled model trained when none is given (:func:`tf_remat.zoo.bn_cnn` with 12 layers)
+DEFAULT_MODEL = "bn_cnn12"
 #: batch size of the bundled model when none is given
 DEFAULT_BATCH = 128
 #: relative tolerance of the gradient check (float32 reassociation, see tests/test_rewrite.py)
@@ -65,7 +67,7 @@ def run_training_demo(args) -> int:
     from tf_remat.extract import extract, trace_training_step
     from tf_remat.zoo import get_model
 
-    name = getattr(args, "model", None) or "bn_cnn"
+    name = getattr(args, "model", None) or DEFAULT_MODEL
     batch = int(getattr(args, "batch", None) or DEFAULT_BATCH)
     epochs = int(getattr(args, "epochs", None) or 2)
     strategy = getattr(args, "strategy", None) or "auto"

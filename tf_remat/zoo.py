@@ -221,9 +221,9 @@ def transformer(batch_size, input_size=None, num_classes=2, *, layers_=4, d_mode
         tf.TensorSpec((batch_size,), tf.int32)
 
 
-def bn_cnn(batch_size, input_size=None, num_classes=10, *, widths=(32, 64, 128)):
-    """A small CNN: per stage two 3x3 conv + BatchNorm + ReLU, max pooling, Dropout; dense
-    head."""
+def bn_cnn(batch_size, input_size=None, num_classes=10, *, widths=(32, 64, 128), convs=2):
+    """A small CNN: per stage ``convs`` 3x3 conv + BatchNorm + ReLU, max pooling, Dropout; dense
+    head. Named ``bn_cnn`` with two convolutions per stage, ``bn_cnn<layers>`` otherwise."""
     import keras
     from keras import layers
 
@@ -231,7 +231,7 @@ def bn_cnn(batch_size, input_size=None, num_classes=10, *, widths=(32, 64, 128))
     inp = keras.Input((hw[0], hw[1], 3))
     h = inp
     for s, w in enumerate(widths):
-        for c in range(2):
+        for c in range(convs):
             h = layers.Conv2D(w, 3, padding="same", name=f"s{s}_conv{c}")(h)
             h = layers.BatchNormalization(name=f"s{s}_bn{c}")(h)
             h = layers.Activation("relu", name=f"s{s}_relu{c}")(h)
@@ -240,8 +240,17 @@ def bn_cnn(batch_size, input_size=None, num_classes=10, *, widths=(32, 64, 128))
     h = layers.Flatten(name="flatten")(h)
     h = layers.Dense(256, activation="relu", name="fc1")(h)
     out = layers.Dense(num_classes, name="logits")(h)
-    model = keras.Model(inp, out, name="bn_cnn")
+    name = "bn_cnn" if convs == 2 else f"bn_cnn{convs * len(widths)}"
+    model = keras.Model(inp, out, name=name)
     return (_compile(model),) + _classification_specs(batch_size, hw)
+
+
+def _bn_cnn12(batch_size, input_size=None, num_classes=10):
+    """:func:`bn_cnn` with four convolutions per stage (12 in all): deep enough that a plan has
+    activations to trade (the demo's default; the 6-layer net's smallest possible peak, one
+    BatchNorm gradient's inputs and output, is 48% of its step's, so 60% left no room for the
+    allocator's rounding)."""
+    return bn_cnn(batch_size, input_size, num_classes, convs=4)
 
 
 MODELS: dict[str, Callable] = {
@@ -254,9 +263,11 @@ MODELS: dict[str, Callable] = {
     "segnet": segnet,
     "transformer": transformer,
     "bn_cnn": bn_cnn,
+    "bn_cnn12": _bn_cnn12,
 }
-_DEFAULT_CLASSES = {"unet": 2, "fcn8": 21, "segnet": 12, "transformer": 2, "bn_cnn": 10}
-_DEFAULT_INPUT = {"unet": 256, "transformer": 128, "bn_cnn": 32}
+_DEFAULT_CLASSES = {"unet": 2, "fcn8": 21, "segnet": 12, "transformer": 2, "bn_cnn": 10,
+                    "bn_cnn12": 10}
+_DEFAULT_INPUT = {"unet": 256, "transformer": 128, "bn_cnn": 32, "bn_cnn12": 32}
 
 
 def default_input_size(name: str) -> int:
