@@ -285,9 +285,12 @@ def test_predicted_peak_matches_tensorflow(name):
     # +63% in its worst layout)
     assert max(peaks) < 2 * g.no_remat_peak, (g.no_remat_peak, peaks)
     # the plain step runs independent ops side by side: without oneDNN, two filter-gradient
-    # convolutions at once hold two ~27 MiB scratch buffers, which no sequential order does
+    # convolutions at once hold two ~27 MiB scratch buffers, which no sequential order does;
+    # and its executor picks its own order, whose peak may be lower than the reference
+    # order's (res_block: 0.87 of it, 0.79 once BatchNorm gradients no longer materialize
+    # their broadcasts, which lowered the executor's peak and not the reference order's)
     plain = min(p + g.fixed_memory for p in measured_peak_layouts(ex))
-    assert 0.85 * g.no_remat_peak <= plain <= 1.15 * g.no_remat_peak + 2 * scratch, \
+    assert 0.75 * g.no_remat_peak <= plain <= 1.15 * g.no_remat_peak + 2 * scratch, \
         (g.no_remat_peak, plain, scratch)
 
 
@@ -375,6 +378,48 @@ def test_convolution_gradients_as_products_equal_tensorflows(monkeypatch):
     assert types["matmul"]["Conv2DBackpropFilter"] == 0
     # 7 layers' patches, the first two's (4.5 and 2.25 MiB) in 8 and 3 slices of the batch
     assert types["matmul"]["ExtractImagePatches"] == 7 + 7 + 2
+
+
+def test_broadcast_gradients_are_sunk_into_their_readers(monkeypatch):
+    """A BatchNorm's reduce_mean gradients (Tile to the activation's shape, then divided and
+    scaled) run on the per-channel values and reach the full-size gradients as broadcasts:
+    no Tile is left in the solver's nodes, the step's gradients are Keras's (the same
+    element-wise ops, one AddN summed in another order: float32 reassociation of three terms,
+    so 1e-5 of the largest), and the step needs less memory than with the Tiles."""
+    import numpy as np
+
+    from tf_remat import extract as extract_module
+    from tf_remat.extract import extract, trace_training_step
+
+    monkeypatch.setenv("TF_REMAT_CONV_GRADIENTS", "tensorflow")
+    model, shape = small_cnn()
+    xs, ys = tf.TensorSpec(shape), tf.TensorSpec((shape[0],), tf.int32)
+    x = tf.random.stateless_normal(shape, seed=(3, 4))
+    y = tf.constant(np.arange(shape[0]) % 10, tf.int32)
+    sunk = trace_training_step(model, xs, ys, apply_updates=False)
+    keras_step = trace_training_step(model, xs, ys, apply_updates=False,
+                                     conv_gradients="tensorflow")
+    variables = list({id(v): v for v in sunk.variables + keras_step.variables}.values())
+    saved = [v.numpy().copy() for v in variables]
+    grads = {}
+    for name, t in (("sunk", sunk), ("keras", keras_step)):
+        grads[name] = [g.numpy() for g in t.function(x, y)[1:]]
+        for v, value in zip(variables, saved):  # the same dropout mask for both
+            v.assign(value)
+    for a, b in zip(grads["keras"], grads["sunk"]):
+        assert np.max(np.abs(a - b)) <= 1e-5 * max(np.max(np.abs(a)), 1e-30), a.shape
+
+    with_tiles = extract(model, input_spec=xs, label_spec=ys, cost_model="flops", verbose=0)
+    fg = with_tiles.traced.function.graph
+    node_types = collections.Counter(fg.get_operation_by_name(o).type
+                                     for ops in with_tiles.op_map.nodes for o in ops)
+    assert node_types["Tile"] == 0
+    monkeypatch.setattr(extract_module, "_sink_broadcasts", lambda graph, first, g: g)
+    tiled = extract(model, input_spec=xs, label_spec=ys, cost_model="flops", verbose=0)
+    fg = tiled.traced.function.graph
+    assert sum(fg.get_operation_by_name(o).type == "Tile"
+               for ops in tiled.op_map.nodes for o in ops) >= 4  # two per BatchNorm
+    assert with_tiles.graph.no_remat_peak < tiled.graph.no_remat_peak
 
 
 def test_first_axis_slices_are_views_of_their_input(monkeypatch):
