@@ -1118,10 +1118,10 @@ def _sink_broadcasts(graph, first_id: int, grads: list) -> list:
     broadcast (``Mul``, ``AddV2``, ...) read it directly; an ``AddN`` that sums it with
     full-size gradients becomes ``AddN`` of those plus the small value. A reader that needs
     the full tensor keeps the original ops. The dead full-size ops are then pruned with the
-    rest: a BatchNorm gradient holds four activation-sized tensors at once where it held
-    five to seven (bn_cnn at batch 128: the smallest budget any plan reaches, one such
-    gradient, fell from 64 to 48 MiB plus the fixed memory). Values are unchanged (the same
-    element-wise ops on the same numbers).
+    rest (bn_cnn at batch 128: a BatchNorm gradient's node and its inputs went from four
+    activations, 64 MiB, to three, and the smallest budget any plan reaches from 75 to 70 MiB,
+    now set by a filter gradient's scratch). Values are unchanged (the same element-wise ops
+    on the same numbers).
 
     Runs inside the traced function, on the ops created after ``first_id`` (the backward
     pass); returns ``grads`` with any gradient that was such a sum replaced.
