@@ -422,6 +422,45 @@ def test_broadcast_gradients_are_sunk_into_their_readers(monkeypatch):
     assert with_tiles.graph.no_remat_peak < tiled.graph.no_remat_peak
 
 
+def test_a_failed_broadcast_sinking_leaves_a_correct_step(monkeypatch):
+    """If re-pointing a reader fails midway (some readers sunk, some not), the trace goes on
+    with a warning and the step's gradients are still Keras's."""
+    import numpy as np
+
+    from tf_remat import extract as extract_module
+    from tf_remat.extract import trace_training_step
+
+    monkeypatch.setenv("TF_REMAT_CONV_GRADIENTS", "tensorflow")
+    calls = []
+    real = extract_module._redirect
+
+    def fail_on_second(old, new):
+        calls.append(old.name)
+        if len(calls) == 2:
+            raise ValueError("injected")
+        real(old, new)
+
+    monkeypatch.setattr(extract_module, "_redirect", fail_on_second)
+    model, shape = small_cnn()
+    xs, ys = tf.TensorSpec(shape), tf.TensorSpec((shape[0],), tf.int32)
+    with pytest.warns(UserWarning, match="injected"):
+        partial = trace_training_step(model, xs, ys, apply_updates=False)
+    keras_step = trace_training_step(model, xs, ys, apply_updates=False,
+                                     conv_gradients="tensorflow")
+    assert len(calls) == 2
+    x = tf.random.stateless_normal(shape, seed=(5, 6))
+    y = tf.constant(np.arange(shape[0]) % 10, tf.int32)
+    variables = list({id(v): v for v in partial.variables + keras_step.variables}.values())
+    saved = [v.numpy().copy() for v in variables]
+    grads = []
+    for t in (partial, keras_step):
+        grads.append([g.numpy() for g in t.function(x, y)[1:]])
+        for v, value in zip(variables, saved):
+            v.assign(value)
+    for a, b in zip(grads[1], grads[0]):
+        assert np.max(np.abs(a - b)) <= 1e-5 * max(np.max(np.abs(a)), 1e-30), a.shape
+
+
 def test_first_axis_slices_are_views_of_their_input(monkeypatch):
     """A range (or one entry) of the first axis, every other axis whole, rows a multiple of 64
     bytes: TensorFlow's slice kernels return a view of the input's buffer, which then lives as

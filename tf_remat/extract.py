@@ -370,7 +370,17 @@ def trace_training_step(model, input_spec, label_spec, *, loss=None, optimizer=N
         with _matmul_conv_gradients(patch_filters):
             grads = tape.gradient(scaled, trainable)
         if sink:
-            grads = _sink_broadcasts(tf.compat.v1.get_default_graph(), marks["forward"], grads)
+            try:
+                grads = _sink_broadcasts(tf.compat.v1.get_default_graph(), marks["forward"],
+                                         grads)
+            except (ValueError, TypeError, KeyError, tf.errors.OpError) as exc:
+                # every edit leaves a graph of the same values (a new reader computes what the
+                # old one did), so a failure midway costs memory, never correctness
+                import warnings
+
+                warnings.warn(f"tf-remat: BatchNorm-style broadcast gradients left as "
+                              f"TensorFlow builds them ({type(exc).__name__}: {exc})",
+                              stacklevel=2)
         marks["backward"] = _n_ops()
         preds = ()
         if return_predictions:
