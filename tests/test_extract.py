@@ -409,17 +409,17 @@ def test_broadcast_gradients_are_sunk_into_their_readers(monkeypatch):
     for a, b in zip(grads["keras"], grads["sunk"]):
         assert np.max(np.abs(a - b)) <= 1e-5 * max(np.max(np.abs(a)), 1e-30), a.shape
 
-    with_tiles = extract(model, input_spec=xs, label_spec=ys, cost_model="flops", verbose=0)
-    fg = with_tiles.traced.function.graph
+    without_tiles = extract(model, input_spec=xs, label_spec=ys, cost_model="flops", verbose=0)
+    fg = without_tiles.traced.function.graph
     node_types = collections.Counter(fg.get_operation_by_name(o).type
-                                     for ops in with_tiles.op_map.nodes for o in ops)
+                                     for ops in without_tiles.op_map.nodes for o in ops)
     assert node_types["Tile"] == 0
     monkeypatch.setattr(extract_module, "_sink_broadcasts", lambda graph, first, g: g)
     tiled = extract(model, input_spec=xs, label_spec=ys, cost_model="flops", verbose=0)
     fg = tiled.traced.function.graph
     assert sum(fg.get_operation_by_name(o).type == "Tile"
                for ops in tiled.op_map.nodes for o in ops) >= 4  # two per BatchNorm
-    assert with_tiles.graph.no_remat_peak < tiled.graph.no_remat_peak
+    assert without_tiles.graph.no_remat_peak < tiled.graph.no_remat_peak
 
 
 def test_a_failed_broadcast_sinking_leaves_a_correct_step(monkeypatch):

@@ -1209,10 +1209,7 @@ def _sink_broadcasts(graph, first_id: int, grads: list) -> list:
     # ordering edges the gradient code put on a full-size value (``with
     # control_dependencies([grad])``) would keep it alive: they wait for its small form
     for full_out, little in small.values():
-        for c in list(full_out.op._control_outputs):  # noqa: SLF001
-            deps = [little.op if d is full_out.op else d for d in c.control_inputs]
-            c._remove_all_control_inputs()  # noqa: SLF001
-            c._add_control_inputs(deps)  # noqa: SLF001
+        _reorder_after(full_out.op, little.op)
     return [replaced.get(key(g), g) if isinstance(g, tf.Tensor) else g for g in grads]
 
 
@@ -1224,8 +1221,13 @@ def _redirect(old, new) -> None:
         for k, t in enumerate(c.inputs):
             if (t.op.name, t.value_index) == (old.op.name, old.value_index):
                 c._update_input(k, new)  # noqa: SLF001
-    for c in list(old.op._control_outputs):  # noqa: SLF001
-        deps = [new.op if d is old.op else d for d in c.control_inputs]
+    _reorder_after(old.op, new.op)
+
+
+def _reorder_after(old_op, new_op) -> None:
+    """Every op with a control input on ``old_op`` waits for ``new_op`` instead."""
+    for c in list(old_op._control_outputs):  # noqa: SLF001
+        deps = [new_op if d.name == old_op.name else d for d in c.control_inputs]
         c._remove_all_control_inputs()  # noqa: SLF001
         c._add_control_inputs(deps)  # noqa: SLF001
 
