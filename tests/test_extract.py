@@ -613,6 +613,24 @@ def test_flops_cost_model_ranks_convolutions_first():
     top = max(range(g.n), key=lambda v: g.cost[v])
     assert "conv" in g.names[top].lower() or "Backprop" in g.names[top]
 
+def test_profile_runs_nodes_fed_by_shape_arithmetic(tmp_path, monkeypatch):
+    # a per-step loss reshapes by a Pack of a StridedSlice of a shape, and a dilated causal
+    # Conv1D pads by shape arithmetic: integers tf.get_static_value cannot fold; fed zeros,
+    # those nodes failed to run alone (a reshape to 0 elements) and their costs were guesses
+    monkeypatch.setenv("TF_REMAT_CACHE", str(tmp_path / "cache"))
+    from tf_remat.extract import extract
+
+    inp = keras.Input((32, 4))
+    h = keras.layers.Conv1D(8, 3, padding="causal", dilation_rate=2, activation="relu")(inp)
+    model = keras.Model(inp, keras.layers.Conv1D(5, 1)(h))
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  optimizer="sgd")
+    ex = extract(model, input_spec=tf.TensorSpec((8, 32, 4)),
+                 label_spec=tf.TensorSpec((8, 32), tf.int32), cost_model="profile", verbose=0)
+    assert ex.info["measured"] > 0
+    assert not ex.info["profile_failures"], ex.info["profile_failures"]
+
+
 
 def test_profiled_step_time_is_plausible(monkeypatch, tmp_path):
     monkeypatch.setenv("TF_REMAT_CACHE", str(tmp_path / "cache"))

@@ -28,6 +28,7 @@ import platform
 import statistics
 import tempfile
 import time
+import weakref
 
 __all__ = ["profile_nodes", "flops_costs", "cache_dir", "device_key", "node_signature"]
 
@@ -271,22 +272,12 @@ class _NodeSpec:
         return "ph"
 
     def _static(self, t):
-        import numpy as np
-        import tensorflow as tf
-
-        op = t.op
-        if op.type == "ShapeN":
-            shape = op.inputs[t.value_index].shape
-            return np.array(shape.as_list(), t.dtype.as_numpy_dtype) \
-                if shape.is_fully_defined() else None
-        if op.type in ("Shape", "Size", "Rank") and op.inputs[0].shape.is_fully_defined():
-            s = op.inputs[0].shape
-            val = {"Shape": s.as_list(), "Size": s.num_elements(), "Rank": s.rank}[op.type]
-            return np.array(val, t.dtype.as_numpy_dtype)
-        try:
-            return tf.get_static_value(t)
-        except Exception:  # noqa: BLE001
-            return None
+        """The value of an integer input that depends only on static shapes, or None."""
+        memo = _FOLDED.setdefault(self.fgraph, {})
+        if t.name not in memo:
+            v = _shape_value(t)
+            memo[t.name] = v if v is not None else _fold(t)
+        return memo[t.name]
 
     def _value_key(self, t, kind):
         if kind == "const":
@@ -433,6 +424,92 @@ class _NodeSpec:
         base = overhead(len(values))
         del variables
         return max(med - base, _MIN_OP_SECONDS * len(self.ops))
+
+
+# tensor values folded per traced graph (weakly keyed: a graph's entries go with it)
+_FOLDED = weakref.WeakKeyDictionary()
+_FOLD_MAX_OPS = 64
+
+
+def _shape_value(t):
+    import numpy as np
+    import tensorflow as tf
+
+    op = t.op
+    if op.type == "ShapeN":
+        shape = op.inputs[t.value_index].shape
+        return np.array(shape.as_list(), t.dtype.as_numpy_dtype) \
+            if shape.is_fully_defined() else None
+    if op.type in ("Shape", "Size", "Rank") and op.inputs[0].shape.is_fully_defined():
+        s = op.inputs[0].shape
+        val = {"Shape": s.as_list(), "Size": s.num_elements(), "Rank": s.rank}[op.type]
+        return np.array(val, t.dtype.as_numpy_dtype)
+    try:
+        return tf.get_static_value(t)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _fold(t):
+    """Evaluate ``t`` when every path up from it ends in constants or static shapes.
+
+    ``tf.get_static_value`` stops at ops such as ``StridedSlice`` or ``Mul`` of a shape
+    (Keras's loss reshapes, dilated convolutions' paddings); a node fed zeros there fails to
+    run alone (a reshape to zero elements), so its cost would be a guess.
+    """
+    import tensorflow as tf
+    from tensorflow.core.framework import graph_pb2
+
+    n = t.shape.num_elements()
+    if t.dtype.is_floating or t.dtype in (tf.resource, tf.variant) or n is None or n > 4096:
+        return None
+    order, leaves, seen = [], {}, set()
+
+    def visit(op):
+        if op.name in seen:
+            return True
+        seen.add(op.name)
+        if (len(seen) > _FOLD_MAX_OPS or op.type in ("Placeholder", "ReadVariableOp")
+                or op.op_def.is_stateful or op.control_inputs):
+            return False
+        for x in op.inputs:
+            if x.name in leaves:
+                continue
+            v = _shape_value(x) if not x.dtype.is_floating else None
+            if v is not None:
+                leaves[x.name] = v
+            elif not visit(x.op):
+                return False
+        order.append(op)
+        return True
+
+    try:
+        if not visit(t.op):
+            return None
+        gd = graph_pb2.GraphDef()
+        names = {}
+        for k, (name, v) in enumerate(leaves.items()):
+            gd.node.add().CopyFrom(_const_node_def(f"leaf{k}", v,
+                                                   t.graph.get_tensor_by_name(name).dtype))
+            names[name] = f"leaf{k}"
+        for i, op in enumerate(order):
+            nd = gd.node.add()
+            nd.CopyFrom(op.node_def)
+            nd.name, nd.device = f"op{i}", ""
+            for key in _SKIP_ATTRS:
+                if key in nd.attr:
+                    del nd.attr[key]
+            del nd.input[:]
+            for x in op.inputs:
+                nd.input.append(names.get(x.name) or f"op{order.index(x.op)}:{x.value_index}")
+        fetch = f"op{order.index(t.op)}:{t.value_index}"
+
+        def body():
+            return tf.graph_util.import_graph_def(gd, return_elements=[fetch], name="f")[0]
+
+        return tf.function(body, autograph=False)().numpy()
+    except Exception:  # noqa: BLE001 (anything odd: the node is fed zeros, as before)
+        return None
 
 
 def _const_node_def(name, value, dtype):
