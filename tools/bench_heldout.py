@@ -217,9 +217,91 @@ def bilstm(batch=32, steps=64, features=32):
     return model, tf.TensorSpec((batch, steps, features)), tf.TensorSpec((batch,), tf.int32)
 
 
+def xception(batch=32, hw=64):
+    """A small Xception: SeparableConv2D (depthwise then pointwise) with BatchNorm, strided
+    MaxPooling2D beside 1x1 strided projection shortcuts, SpatialDropout2D, a top Dropout."""
+    import keras
+    import tensorflow as tf
+
+    inp = keras.Input((hw, hw, 3))
+    h = keras.layers.Conv2D(32, 3, strides=2, padding="same", use_bias=False)(inp)
+    h = keras.layers.Activation("relu")(keras.layers.BatchNormalization()(h))
+    for width in (64, 128, 128):
+        s = keras.layers.Conv2D(width, 1, strides=2, use_bias=False)(h)
+        s = keras.layers.BatchNormalization()(s)
+        r = keras.layers.Activation("relu")(h)
+        r = keras.layers.SeparableConv2D(width, 3, padding="same", use_bias=False)(r)
+        r = keras.layers.BatchNormalization()(r)
+        r = keras.layers.Activation("relu")(r)
+        r = keras.layers.SpatialDropout2D(0.1)(r)
+        r = keras.layers.SeparableConv2D(width, 3, padding="same", use_bias=False)(r)
+        r = keras.layers.BatchNormalization()(r)
+        r = keras.layers.MaxPooling2D(3, strides=2, padding="same")(r)
+        h = keras.layers.Add()([r, s])
+    h = keras.layers.GlobalAveragePooling2D()(h)
+    out = keras.layers.Dense(10)(keras.layers.Dropout(0.3)(h))
+    model = keras.Model(inp, out, name="xception")
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  optimizer=keras.optimizers.RMSprop(1e-3), metrics=["accuracy"])
+    return model, tf.TensorSpec((batch, hw, hw, 3)), tf.TensorSpec((batch,), tf.int32)
+
+
+def tcn(batch=32, steps=256, features=16):
+    """A temporal convolutional network: dilated causal Conv1D (rates 1-8), LayerNorm,
+    SpatialDropout1D, residual adds with a 1x1 projection, a per-step regression loss."""
+    import keras
+    import tensorflow as tf
+
+    inp = keras.Input((steps, features))
+    h = keras.layers.Conv1D(64, 1)(inp)
+    for rate in (1, 2, 4, 8):
+        r = keras.layers.Conv1D(64, 3, padding="causal", dilation_rate=rate)(h)
+        r = keras.layers.LayerNormalization()(r)
+        r = keras.layers.Activation("relu")(r)
+        r = keras.layers.SpatialDropout1D(0.1)(r)
+        r = keras.layers.Conv1D(64, 3, padding="causal", dilation_rate=rate)(r)
+        r = keras.layers.LayerNormalization()(r)
+        h = keras.layers.Activation("relu")(keras.layers.Add()([h, r]))
+    out = keras.layers.Conv1D(10, 1)(h)
+    model = keras.Model(inp, out, name="tcn")
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  optimizer=keras.optimizers.Adam(1e-3))
+    return model, tf.TensorSpec((batch, steps, features)), tf.TensorSpec((batch, steps),
+                                                                        tf.int32)
+
+
+def grouped(batch=16, hw=64):
+    """Grouped 3x3 convolutions (groups=4) with BatchNorm in a ResNeXt-style block, average
+    pooling down, UpSampling2D back up with a concatenated skip, Dropout, a per-pixel loss."""
+    import keras
+    import tensorflow as tf
+
+    inp = keras.Input((hw, hw, 3))
+    h = keras.layers.Conv2D(32, 3, padding="same", use_bias=False)(inp)
+    h = keras.layers.Activation("relu")(keras.layers.BatchNormalization()(h))
+    skip = h
+    h = keras.layers.AveragePooling2D(2)(h)
+    for _ in range(3):
+        r = keras.layers.Conv2D(64, 1, use_bias=False)(h)
+        r = keras.layers.Activation("relu")(keras.layers.BatchNormalization()(r))
+        r = keras.layers.Conv2D(64, 3, padding="same", groups=4, use_bias=False)(r)
+        r = keras.layers.Activation("relu")(keras.layers.BatchNormalization()(r))
+        r = keras.layers.Conv2D(32, 1, use_bias=False)(keras.layers.Dropout(0.2)(r))
+        h = keras.layers.Add()([h, keras.layers.BatchNormalization()(r)])
+    h = keras.layers.UpSampling2D()(h)
+    h = keras.layers.Concatenate()([h, skip])
+    h = keras.layers.Conv2D(32, 3, padding="same", activation="relu")(h)
+    out = keras.layers.Conv2D(4, 1)(h)
+    model = keras.Model(inp, out, name="grouped")
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  optimizer=keras.optimizers.SGD(0.01, momentum=0.9))
+    return model, tf.TensorSpec((batch, hw, hw, 3)), tf.TensorSpec((batch, hw, hw), tf.int32)
+
+
 MODELS = {"resdrop": resdrop, "unet_bn": unet_bn, "densenet": densenet,
           "efficientnet": efficientnet, "mixer": mixer, "decoder_gn": decoder_gn,
-          "noisy": noisy, "bilstm": bilstm}
+          "noisy": noisy, "bilstm": bilstm, "xception": xception, "tcn": tcn,
+          "grouped": grouped}
 
 
 # --------------------------------------------------------------------- one case
