@@ -179,7 +179,7 @@ class OptimizedStep:
             ``nodes, recomputed_nodes, attempts, total_solve_seconds`` (all attempts' solves,
             their processes included), ``extract_seconds, rewrite_seconds``. ``predicted_overhead`` is the recomputation's
             share of the step (plan cost / sum of node costs - 1); running the plan in a static
-            order costs more besides, since independent ops no longer run side by side (-4% to
+            order costs more besides, since independent ops no longer run side by side (-16% to
             +34% on the zoo models on a 2-core CPU, ``benchmarks/results/rewrite.md``).
     """
 
