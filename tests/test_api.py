@@ -375,3 +375,78 @@ def test_rnn_loop_memory_bounds_the_budget_and_the_error_says_why():
         tf_remat.optimize(model, budget_bytes=2 << 20, input_spec=tf.TensorSpec((32, 32, 16)),
                           label_spec=tf.TensorSpec((32,), tf.int32), attach=False, **FAST)
     assert all(np.array_equal(a, v.numpy()) for a, v in zip(before, model.variables))
+
+def test_mixed_precision_dict_model_recomputes_exactly():
+    """A mixed_float16 model (Keras wraps its optimizer in a LossScaleOptimizer) with dict
+    inputs and two losses: a recomputing step's gradients and update match Keras's step to
+    float16 rounding, the optimizer counts one step, and model.fit runs on it."""
+    from tf_remat.extract import extract, trace_training_step
+
+    old = keras.mixed_precision.global_policy()
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        keras.utils.set_random_seed(7)
+        img = keras.Input((16, 16, 3), name="img")
+        vec = keras.Input((8,), name="vec")
+        h = img
+        for width in (16, 16, 32):
+            r = keras.layers.Conv2D(width, 3, padding="same", activation="relu")(h)
+            r = keras.layers.BatchNormalization()(r)
+            h = keras.layers.Add()([h, r]) if h.shape[-1] == width else r
+        h = keras.layers.GlobalAveragePooling2D()(keras.layers.Dropout(0.2)(h))
+        h = keras.layers.Concatenate()([h, keras.layers.Dense(16)(vec)])
+        out = {"cls": keras.layers.Dense(10, dtype="float32", name="cls")(h),
+               "reg": keras.layers.Dense(1, dtype="float32", name="reg")(h)}
+        model = keras.Model({"img": img, "vec": vec}, out)
+        model.compile(loss={"cls": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                            "reg": "mse"}, loss_weights={"cls": 1.0, "reg": 0.5},
+                      optimizer="adam")
+        assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+        xs = {"img": tf.TensorSpec((32, 16, 16, 3)), "vec": tf.TensorSpec((32, 8))}
+        ys = {"cls": tf.TensorSpec((32,), tf.int32), "reg": tf.TensorSpec((32, 1))}
+        g = extract(model, input_spec=xs, label_spec=ys, cost_model="flops", verbose=0).graph
+        budget = (g.budget_lower_bound + g.no_remat_peak) // 2
+        step = tf_remat.optimize(model, budget_bytes=budget, input_spec=xs, label_spec=ys,
+                                 verify=False, **FAST)
+        assert step.report["recomputed_nodes"] > 0
+        rng = np.random.default_rng(0)
+        x = {"img": tf.constant(rng.standard_normal((32, 16, 16, 3)), tf.float32),
+             "vec": tf.constant(rng.standard_normal((32, 8)), tf.float32)}
+        y = {"cls": tf.constant(rng.integers(0, 10, 32), tf.int32),
+             "reg": tf.constant(rng.standard_normal((32, 1)), tf.float32)}
+        gref = trace_training_step(model, xs, ys, apply_updates=False)
+        ref = trace_training_step(model, xs, ys)
+        snap = Snapshot(list({id(v): v for v in list(ref.variables) + list(gref.variables) +
+                              list(step.rewritten.traced.variables)}.values()))
+        try:
+            g1 = [t.numpy().astype("float32") for t in gref.function(x, y)[1:]]
+            snap.restore()
+            g2 = [t.numpy().astype("float32") for t in step.gradients(x, y)]
+            snap.restore()
+            ref.function(x, y)
+            w1 = [v.numpy().astype("float32") for v in model.variables]
+            it1 = int(model.optimizer.iterations.numpy())
+            snap.restore()
+            it0 = int(model.optimizer.iterations.numpy())
+            step(x, y)
+            w2 = [v.numpy().astype("float32") for v in model.variables]
+            it2 = int(model.optimizer.iterations.numpy())
+        finally:
+            snap.restore()
+        assert it1 == it2 == it0 + 1
+        # bit for bit when written; a plan that sums in another order would differ by
+        # float16 rounding (its epsilon ~1e-3 of the largest value), not float32's 1e-5
+        scale = max(float(np.abs(a).max()) for a in g1)
+        assert max(float(np.abs(a - b).max()) for a, b in zip(g1, g2)) <= 4e-3 * scale
+        for a, b in zip(w1, w2):
+            assert np.allclose(a, b, rtol=4e-3, atol=4e-3 * max(1.0, float(np.abs(a).max())))
+        xt = {k: rng.standard_normal((64,) + tuple(s.shape[1:])).astype("float32")
+              for k, s in xs.items()}
+        yt = {"cls": rng.integers(0, 10, 64).astype("int32"),
+              "reg": rng.standard_normal((64, 1)).astype("float32")}
+        hist = model.fit(xt, yt, batch_size=32, epochs=2, verbose=0)
+        assert model.train_function == step._keras_train_function
+        assert all(np.isfinite(hist.history["loss"]))
+        step.detach()
+    finally:
+        keras.mixed_precision.set_global_policy(old)
