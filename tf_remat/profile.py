@@ -306,14 +306,7 @@ class _NodeSpec:
         for k, (t, kind) in enumerate(self.externals):
             if kind in ("const", "static"):
                 if kind == "const":
-                    nd = gd.node.add()
-                    nd.CopyFrom(t.op.node_def)
-                    nd.name = f"ext{k}"
-                    del nd.input[:]
-                    for key in _SKIP_ATTRS:
-                        if key in nd.attr:
-                            del nd.attr[key]
-                    nd.device = ""
+                    _copy_node(gd, t.op, f"ext{k}")
                     names[t.name] = f"ext{k}:{t.value_index}" if t.value_index else f"ext{k}"
                 else:
                     val = self._static(t)
@@ -343,17 +336,10 @@ class _NodeSpec:
             feeds.append((f"ext{k}:0", _random_value(t.shape, t.dtype)))
         needs_library = False
         for i, op in enumerate(self.op_objs):
-            nd = gd.node.add()
-            nd.CopyFrom(op.node_def)
-            nd.name = f"op{i}"
-            nd.device = ""
-            for key in _SKIP_ATTRS:
-                if key in nd.attr:
-                    del nd.attr[key]
+            nd = _copy_node(gd, op, f"op{i}")
             for a in nd.attr.values():
                 if a.HasField("func") or a.list.func:
                     needs_library = True
-            del nd.input[:]
             for t in op.inputs:
                 if t.op.name in self.local:
                     j = self.local[t.op.name]
@@ -488,21 +474,16 @@ def _fold(t):
             return None
         gd = graph_pb2.GraphDef()
         names = {}
+        index = {op.name: i for i, op in enumerate(order)}
         for k, (name, v) in enumerate(leaves.items()):
             gd.node.add().CopyFrom(_const_node_def(f"leaf{k}", v,
                                                    t.graph.get_tensor_by_name(name).dtype))
             names[name] = f"leaf{k}"
         for i, op in enumerate(order):
-            nd = gd.node.add()
-            nd.CopyFrom(op.node_def)
-            nd.name, nd.device = f"op{i}", ""
-            for key in _SKIP_ATTRS:
-                if key in nd.attr:
-                    del nd.attr[key]
-            del nd.input[:]
+            nd = _copy_node(gd, op, f"op{i}")
             for x in op.inputs:
-                nd.input.append(names.get(x.name) or f"op{order.index(x.op)}:{x.value_index}")
-        fetch = f"op{order.index(t.op)}:{t.value_index}"
+                nd.input.append(names.get(x.name) or f"op{index[x.op.name]}:{x.value_index}")
+        fetch = f"op{index[t.op.name]}:{t.value_index}"
 
         def body():
             return tf.graph_util.import_graph_def(gd, return_elements=[fetch], name="f")[0]
@@ -510,6 +491,19 @@ def _fold(t):
         return tf.function(body, autograph=False)().numpy()
     except Exception:  # noqa: BLE001 (anything odd: the node is fed zeros, as before)
         return None
+
+
+def _copy_node(gd, op, name):
+    """A copy of ``op``'s NodeDef in ``gd`` under ``name``: no inputs, device or
+    graph-bound attributes (the caller wires the inputs)."""
+    nd = gd.node.add()
+    nd.CopyFrom(op.node_def)
+    nd.name, nd.device = name, ""
+    del nd.input[:]
+    for key in _SKIP_ATTRS:
+        if key in nd.attr:
+            del nd.attr[key]
+    return nd
 
 
 def _const_node_def(name, value, dtype):
