@@ -4,8 +4,8 @@ import pytest
 from tf_remat.errors import PlanError
 from tf_remat.generators import linear_graph, random_dag
 from tf_remat.graph import Graph
-from tf_remat.plan import (Plan, Schedule, explain, make_plan, minimal_r, plan_from_rs,
-                           sequence_from_rs, simulate, steps_from_sequence)
+from tf_remat.plan import (Plan, Schedule, concurrent_groups, explain, make_plan, minimal_r,
+                           plan_from_rs, sequence_from_rs, simulate, steps_from_sequence)
 
 CHAIN = Graph(cost=(1, 2, 3, 4), memory=(10, 20, 30, 40), edges=((0, 1), (1, 2), (2, 3)))
 
@@ -115,3 +115,49 @@ def test_explain_lists_recomputed_nodes():
     text = explain(plan, g)
     assert "recomputed 1 of 7 nodes" in text
     assert "0 (f0): computed 2x" in text
+
+
+def test_concurrent_groups_by_hand():
+    """A diamond 0 -> {1, 2} -> 3: memory 10, 20, 30, 5; the plan peaks at 60 (0, 1 and 2
+    resident). 0, 1 and 2 may run at once (at most 60); 3 may not join them (65), and starts
+    its own run after 0 is freed."""
+    g = Graph(cost=(1, 1, 1, 1), memory=(10, 20, 30, 5), edges=((0, 1), (0, 2), (1, 3), (2, 3)))
+    steps = steps_from_sequence(g, [0, 1, 2, 3])
+    assert simulate(g, steps).peak_memory == 60
+    assert concurrent_groups(g, steps) == (0, 0, 0, 1)
+    assert concurrent_groups(g, steps, cap=10**6) == (0, 0, 0, 0)
+    # a cap under the plan's peak: a compute that passes it alone is a run of its own
+    assert concurrent_groups(g, steps, cap=59) == (0, 0, 1, 2)
+    assert concurrent_groups(g, steps, cap=0) == (0, 1, 2, 3)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_concurrent_groups_never_pass_the_peak(seed):
+    """In every run, the memory before its first compute plus every member's output (all
+    started, none freed: the most any order or overlap can hold) stays within the plan's peak;
+    no node is in a run twice; runs are numbered in order."""
+    g = random_dag(14, seed=seed)
+    seq = list(g.order)
+    # recompute a few forward nodes late, before the last reader that follows
+    for v in list(g.order)[: g.n // 3]:
+        later = [s for s in g.succs[v] if seq.index(s) > seq.index(v) + 2]
+        if later and g.recomputable[v] and all(u in seq[: seq.index(later[-1])]
+                                               for u in g.preds[v]):
+            seq.insert(seq.index(later[-1]), v)
+    steps = steps_from_sequence(g, seq)
+    sim = simulate(g, steps)
+    runs = concurrent_groups(g, steps)
+    assert len(runs) == len(seq) and runs[0] == 0
+    assert all(b - a in (0, 1) for a, b in zip(runs, runs[1:]))
+    assert runs[-1] < len(seq) - 1, "some computes should share a run"
+    before = []  # memory before each compute
+    mem = g.fixed_memory
+    for op, v in steps:
+        if op == "compute":
+            before.append(mem)
+        mem += g.memory[v] if op == "compute" else -g.memory[v]
+    for r in set(runs):
+        members = [p for p, q in enumerate(runs) if q == r]
+        nodes = [seq[p] for p in members]
+        assert len(set(nodes)) == len(nodes)
+        assert before[members[0]] + sum(g.memory[v] for v in nodes) <= sim.peak_memory

@@ -46,6 +46,7 @@ __all__ = [
     "plan_from_rs",
     "explain",
     "load_plan",
+    "concurrent_groups",
 ]
 
 STATUSES = ("optimal", "feasible", "infeasible", "timeout")
@@ -404,6 +405,46 @@ def explain(plan: Plan, graph: Graph, *, limit: int = 20) -> str:
         lines.append(f"  {graph.label(v)}: {format_bytes(graph.memory[v])}"
                      f"{' (kept, computed once)' if counts[v] == 1 else ''}")
     return "\n".join(lines)
+
+
+def concurrent_groups(graph: Graph, steps, cap: int | None = None, *,
+                      transient: Sequence[int] = ()) -> tuple:
+    """Split a plan's computes into runs of adjacent computes that may run in any order or at
+    once without the memory passing ``cap`` (default: the plan's own simulated peak).
+
+    A run starts with the memory ``m`` the plan holds before its first compute; while it runs,
+    every member may have allocated its output (and its ``transient`` bytes, what it holds only
+    while it runs) and none have freed anything, so the memory stays under ``m`` plus all of
+    that whatever the order. A compute joins the run while that sum stays within ``cap``, so a
+    step that orders only the runs (a run waiting for the whole previous one) never holds more
+    than the plan's peak, and the runtime may run the members of a run side by side. A node is
+    never in a run twice (its copies would be indistinguishable).
+
+    Returns:
+        per compute step, in order, the index of its run (non-decreasing from 0).
+    """
+    sim = simulate(graph, steps)
+    if cap is None:
+        cap = sim.peak_memory
+    if transient and len(transient) != graph.n:
+        raise ValueError(f"transient has {len(transient)} entries for {graph.n} nodes")
+    extra = transient or (0,) * graph.n
+    mem_of = graph.memory
+    mem = graph.fixed_memory
+    out = []
+    run, start, held, members = -1, 0, 0, set()
+    for op, v in steps:
+        v = int(v)
+        if op == "free":
+            mem -= mem_of[v]
+            continue
+        if run < 0 or v in members or start + held + mem_of[v] + extra[v] > cap:
+            run, start, held, members = run + 1, mem, 0, set()
+        held += mem_of[v] + extra[v]
+        members.add(v)
+        out.append(run)
+        mem += mem_of[v]
+    return tuple(out)
 
 
 def _resident_after(graph: Graph, steps, k: int) -> list:
