@@ -121,6 +121,23 @@ def test_graph_valid_and_solver_sized(name, tmp_path):
 
     assert op_map_path(path) == str(tmp_path / "g.ops.json")
     assert OpMap.load(op_map_path(path)) == ex.op_map
+    # what a node holds only while it runs: nothing for a workspace node (no ops)
+    assert len(ex.op_map.transient) == g.n and min(ex.op_map.transient) >= 0
+    assert all(not t for t, ops in zip(ex.op_map.transient, ex.op_map.nodes) if not ops)
+
+
+def test_transient_bytes_are_what_a_node_frees_before_it_ends():
+    """BatchNorm's moments: the squared differences (one activation's size) are reduced to the
+    variance inside the node, so no later node reads them; the node's memory leaves them out
+    and its transient bytes count them."""
+    ex = extracted("small_cnn")
+    act = 64 * 32 * 32 * 32 * 4
+    names = {nd: v for v, ops in enumerate(ex.op_map.nodes) for nd in ops}
+    sq = [names[o] for o in names if o.endswith("moments/SquaredDifference")]
+    assert sq, "the model's BatchNorm should compute squared differences"
+    v = sq[0]
+    assert ex.op_map.transient[v] >= act
+    assert ex.graph.memory[v] < act
 
 
 @pytest.mark.parametrize("name", list(BUILDERS))

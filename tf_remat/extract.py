@@ -200,6 +200,10 @@ class OpMap:
             Grappler removes such an identity, so keeping it would add a barrier the original
             step does not have.
         buffers: per node, ``[tensor name, bytes]`` for each buffer counted in its memory.
+        transient: per node, the bytes of the buffers its ops create that no other node reads
+            (a BatchNorm's squared differences before their mean): held only while the node
+            runs, so the graph does not count them, but nodes run side by side hold theirs at
+            once (see :func:`tf_remat.plan.concurrent_groups`). Empty: unknown.
     """
 
     nodes: tuple
@@ -210,6 +214,7 @@ class OpMap:
     buffers: tuple = ()
     static_shapes: dict = dataclasses.field(default_factory=dict)
     bypass_ops: dict = dataclasses.field(default_factory=dict)
+    transient: tuple = ()
 
     def __post_init__(self):
         self.sink_ops = tuple(map(str, self.sink_ops))
@@ -222,6 +227,10 @@ class OpMap:
         self.dead_ops = tuple(map(str, self.dead_ops))
         self.outputs = tuple(map(str, self.outputs))
         self.buffers = tuple(tuple((str(t), int(b)) for t, b in bufs) for bufs in self.buffers)
+        self.transient = tuple(int(b) for b in self.transient)
+        if self.transient and len(self.transient) != len(self.nodes):
+            raise RematError(f"the op map has {len(self.nodes)} nodes but transient bytes for "
+                             f"{len(self.transient)}")
 
     @property
     def n(self) -> int:
@@ -237,7 +246,8 @@ class OpMap:
                 "dead_ops": list(self.dead_ops), "sink_ops": list(self.sink_ops),
                 "outputs": list(self.outputs),
                 "buffers": [[list(b) for b in bufs] for bufs in self.buffers],
-                "static_shapes": self.static_shapes, "bypass_ops": self.bypass_ops}
+                "static_shapes": self.static_shapes, "bypass_ops": self.bypass_ops,
+                "transient": list(self.transient)}
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the op map as JSON (by convention ``<graph>.ops.json`` beside the graph)."""
@@ -254,7 +264,8 @@ class OpMap:
                    outputs=doc.get("outputs", ()),
                    buffers=doc.get("buffers", ()),
                    static_shapes=doc.get("static_shapes", {}),
-                   bypass_ops=doc.get("bypass_ops", {}))
+                   bypass_ops=doc.get("bypass_ops", {}),
+                   transient=doc.get("transient", ()))
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "OpMap":
@@ -701,7 +712,8 @@ def with_workspace_nodes(fields: dict, op_map: OpMap, costs, workspace) -> tuple
         names=expand(names, lambda v: f"{names[v]}/workspace"))
     m = dataclasses.replace(
         op_map, nodes=expand(op_map.nodes, lambda v: ()),
-        buffers=expand(op_map.buffers, lambda v: ()) if op_map.buffers else op_map.buffers)
+        buffers=expand(op_map.buffers, lambda v: ()) if op_map.buffers else op_map.buffers,
+        transient=expand(op_map.transient, lambda v: 0) if op_map.transient else ())
     return out, m, expand(list(costs), lambda v: 0.0)
 
 
@@ -1877,6 +1889,14 @@ class _Analysis:
             b = counted_bytes(self.out_bytes[r[0]][r[1]], dev)
             memory[v] += b
             buffers[v].append((ops[r[0]].outputs[r[1]].name, b))
+        # buffers a node's ops create that no later node reads live only while it runs
+        transient = [0] * n
+        for v in range(n):
+            for j in node_ops[v]:
+                if not self.view[j]:
+                    transient[v] += sum(counted_bytes(b, dev)
+                                        for k, b in enumerate(self.out_bytes[j])
+                                        if (j, k) not in counted)
         # fixed memory: variables, the batch, live non-view fixed outputs
         fixed = 0
         seen_vars = set()
@@ -1917,7 +1937,8 @@ class _Analysis:
                        fixed_ops=fixed_ops, dead_ops=dead_ops, sink_ops=sink_ops,
                        outputs=[t.name for t in self.fgraph.outputs], buffers=buffers,
                        static_shapes=static_shapes,
-                       bypass_ops={ops[j].name: v for j, v in self.bypass.items()})
+                       bypass_ops={ops[j].name: v for j, v in self.bypass.items()},
+                       transient=transient)
         fields = dict(memory=memory, edges=sorted(edges), order=list(range(n)),
                       outputs=list(dict.fromkeys(outputs)), fixed_memory=fixed,
                       backward=backward, recomputable=recomputable, names=names)
