@@ -382,6 +382,62 @@ def test_op_chain_also_runs_the_plan():
     assert step.info["chain_edges"] > 0
 
 
+def test_run_chain_runs_the_plan_and_orders_only_the_runs():
+    """``chain="run"``: the same step as the original; every op of a run follows every last op
+    of the previous run (so the plan's memory bound holds whatever order the runtime picks
+    inside a run); some adjacent nodes share a run; the requested and measured peaks follow
+    the plan as the node chain's do."""
+    from tf_remat.api import step_allocations
+    from tf_remat.plan import concurrent_groups
+    from tf_remat.rewrite import build_graph_def, copy_name, rewrite
+
+    ex = extracted("skip_cnn")
+    g = ex.graph
+    x, y = batch_for(ex)
+    plan = plan_for(ex, 0.6)
+    assert plan.within_budget and max(simulate(g, plan.steps).compute_counts) > 1
+    step = rewrite(ex.traced, g, ex.op_map, plan, chain="run")
+    assert_same_step(ex, step, x, y)
+    # a BatchNorm's squared differences (2 MiB here) live only inside its node; without
+    # them in the bound, runs held 2 MiB more than the plan (20.2 MiB requested for 18.1)
+    assert max(ex.op_map.transient) >= 1 << 20
+    runs = concurrent_groups(g, plan.steps, transient=ex.op_map.transient)
+    assert step.info["runs"] == runs[-1] + 1 < len(plan.sequence)
+
+    gd = build_graph_def(ex.traced, ex.op_map, plan.sequence, chain="run", runs=runs)[0]
+    inputs = {nd.name: [i.lstrip("^").split(":")[0] for i in nd.input] for nd in gd.node}
+    ancestors = {}
+
+    def above(name):  # every op ``name`` waits for, data or control
+        if name not in ancestors:
+            ancestors[name] = set()
+            todo = list(inputs.get(name, ()))
+            while todo:
+                a = todo.pop()
+                if a not in ancestors[name]:
+                    ancestors[name].add(a)
+                    todo.extend(inputs.get(a, ()))
+        return ancestors[name]
+
+    copies, members = [0] * g.n, {}
+    for pos, v in enumerate(plan.sequence):
+        members.setdefault(runs[pos], []).append([copy_name(o, copies[v])
+                                                  for o in ex.op_map.nodes[v]])
+        copies[v] += 1
+    for r in range(1, runs[-1] + 1):
+        before = {o for ops in members[r - 1] for o in ops}
+        for ops in members[r]:
+            for o in ops:
+                assert before <= above(o) | {o}, (r, o, sorted(before - above(o))[:3])
+
+    prof = step_allocations(step, x, y, variables=ex.traced.variables)
+    requested = prof["requested_peak_bytes"] + g.fixed_memory
+    assert requested <= 1.03 * plan.peak_memory, (requested, plan.peak_memory)
+    peak = measured(step, ex, x, y, least=True)
+    assert peak <= 1.10 * plan.budget, (peak, plan.budget)
+    assert abs(peak - plan.peak_memory) <= 0.15 * plan.peak_memory, (peak, plan.peak_memory)
+
+
 def _executed_op_types(fn, x, y, variables):
     """Op types of the kernels TensorFlow ran for one call of ``fn`` (after Grappler and the
     oneDNN rewrite), from the function's partition graphs."""
@@ -435,7 +491,8 @@ def test_chain_keeps_the_kernel_fusions_of_the_original_step():
     plain_step = trace_training_step(model, *specs)
     plain = _executed_op_types(plain_step.function, x, y, plain_step.variables)
     for frac, strategy, chain in ((1.0, "checkpoint-all", "op"), (0.7, "linearized-greedy", "op"),
-                                  (0.7, "linearized-greedy", "node")):
+                                  (0.7, "linearized-greedy", "node"),
+                                  (0.7, "linearized-greedy", "run")):
         plan = plan_for(ex, frac, strategy)
         step = rewrite(ex.traced, ex.graph, ex.op_map, plan, chain=chain)
         new = _executed_op_types(step.function, x, y, ex.traced.variables)

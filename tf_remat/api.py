@@ -128,6 +128,10 @@ def optimize(model, budget_gb: float | None = None, *, budget_bytes: int | None 
         >>> loss = step(x, y)                                                    # doctest: +SKIP
         >>> model.fit(dataset.batch(32), epochs=3)   # trains with the step    # doctest: +SKIP
     """
+    from tf_remat.rewrite import CHAINS
+
+    if chain not in CHAINS:  # before minutes of tracing and profiling, not after
+        raise ValueError(f"chain must be one of {CHAINS}, got {chain!r}")
     budget = _budget_bytes(budget_gb, budget_bytes)
     strategy = _resolve_strategy(strategy, verbose)
     opts = dict(loss=loss, optimizer=optimizer, strategy=strategy, time_limit=time_limit,

@@ -19,6 +19,12 @@ The traced step's op graph (``TracedStep.graph_def``) is copied into a new Graph
   chain of plain control edges left ResNet50's step with 15 unfused Conv2D + BiasAdd pairs.
   A weight gradient and the BiasAddGrad of the same output gradient (which oneDNN fuses) both
   follow the same predecessor, so nothing is ordered between them;
+* ``chain="node"`` orders nodes instead of ops (a node's ops may run side by side), and
+  ``chain="run"`` orders only *runs* of adjacent computes (:func:`tf_remat.plan.concurrent_groups`):
+  the memory before a run plus every member's output and transient bytes stays within the
+  plan's simulated peak, so the runtime may run a run's members in any order or at once (as the
+  plain step runs independent ops, two at a time on two cores) without holding more than the
+  plan; each run waits for every last op of the previous one through one ``NoOp``;
 * shape ops that read a batch tensor (``OpMap.static_shapes``) become constants, Keras's
   gradient ``IdentityN`` barrier is bypassed (``OpMap.bypass_ops``), dead ops and the original
   side-effect sink are left out (a chained dead op would be kept alive), and the outputs get a
@@ -48,7 +54,7 @@ import time
 from typing import Any
 
 from tf_remat.errors import PlanError, RematError
-from tf_remat.plan import Plan, simulate
+from tf_remat.plan import Plan, concurrent_groups, simulate
 
 __all__ = ["RewrittenStep", "rewrite", "build_graph_def", "copy_name"]
 
@@ -57,6 +63,8 @@ _COPY = "/_remat"
 #: loop ops whose iterations the rewritten step runs at most this many at a time
 _LOOP_OPS = ("While", "StatelessWhile")
 _LOOP_PARALLEL = 1
+#: the ways the plan's order is imposed (see :func:`rewrite`)
+CHAINS = ("op", "node", "run", "none")
 
 
 def copy_name(op_name: str, k: int) -> str:
@@ -103,8 +111,12 @@ def rewrite(traced, graph, op_map, plan: Plan, *, chain: str = "op") -> Rewritte
         op_map: its :class:`~tf_remat.extract.OpMap`.
         plan: a plan for ``graph`` (checked by the simulator here).
         chain: ``"op"`` (every node op follows the previous one), ``"node"`` (a node's first ops
-            follow the previous node's last ops; ops inside a node may run in parallel) or
-            ``"none"`` (no ordering; for experiments only: TensorFlow then ignores the plan).
+            follow the previous node's last ops; ops inside a node may run in parallel),
+            ``"run"`` (the plan's computes are cut into runs whose members may run in any order
+            or at once without the memory passing the plan's simulated peak,
+            :func:`tf_remat.plan.concurrent_groups`; a run's first ops follow all of the
+            previous run's last ops) or ``"none"`` (no ordering; for experiments only:
+            TensorFlow then ignores the plan).
 
     Returns:
         A :class:`RewrittenStep`.
@@ -118,7 +130,14 @@ def rewrite(traced, graph, op_map, plan: Plan, *, chain: str = "op") -> Rewritte
     if op_map.n != graph.n:
         raise RematError(f"the op map has {op_map.n} nodes but the graph has {graph.n}; "
                          "they come from different extractions")
-    gd, outputs, last, info = build_graph_def(traced, op_map, plan.sequence, chain=chain)
+    runs = None
+    if chain == "run":
+        # an op map saved before transient bytes were counted: one compute per run (the node
+        # chain), as nothing bounds what nodes run side by side would hold
+        runs = (concurrent_groups(graph, plan.steps, transient=op_map.transient)
+                if op_map.transient else tuple(range(len(plan.sequence))))
+    gd, outputs, last, info = build_graph_def(traced, op_map, plan.sequence, chain=chain,
+                                              runs=runs)
     t1 = time.perf_counter()
     fn = _import(traced, gd, outputs, last)
     info["build_seconds"] = t1 - t0
@@ -127,18 +146,24 @@ def rewrite(traced, graph, op_map, plan: Plan, *, chain: str = "op") -> Rewritte
                          info=info)
 
 
-def build_graph_def(traced, op_map, sequence, *, chain: str = "op"):
+def build_graph_def(traced, op_map, sequence, *, chain: str = "op", runs=None):
     """The GraphDef of the rewritten step (see the module docstring).
 
+    Args:
+        runs: for ``chain="run"``, the run index of each position of ``sequence``
+            (:func:`tf_remat.plan.concurrent_groups`).
+
     Returns:
-        ``(graph_def, output tensor names, name of the last chained op or None, info)``.
+        ``(graph_def, output tensor names, names of the ops the outputs wait for, info)``.
     """
     import numpy as np
     import tensorflow as tf
     from tensorflow.core.framework import graph_pb2
 
-    if chain not in ("op", "node", "none"):
-        raise ValueError(f"chain must be 'op', 'node' or 'none', got {chain!r}")
+    if chain not in CHAINS:
+        raise ValueError(f"chain must be one of {CHAINS}, got {chain!r}")
+    if chain == "run" and (runs is None or len(runs) != len(sequence)):
+        raise ValueError("chain='run' needs the run index of every position of the sequence")
     src = traced.graph_def
     by_name = {nd.name: nd for nd in src.node}
     op_of = traced.function.graph.get_operation_by_name
@@ -222,7 +247,15 @@ def build_graph_def(traced, op_map, sequence, *, chain: str = "op"):
     in_node_sets = {}
     markers = {}              # chained op -> the op that stands for it in control edges
     partners = {}             # per node: op -> the op it is fused with (both directions)
-    for v in sequence:
+    run_tails = []            # chain "run": tails of the members of the current run so far
+    barriers = 0
+    for pos, v in enumerate(sequence):
+        if chain == "run" and (pos == 0 or runs[pos] != runs[pos - 1]):
+            # a new run: its members follow every member of the previous run, through one
+            # NoOp when there are several (heads x tails control edges otherwise)
+            prev_tail = _barrier(out, f"tf_remat/run{runs[pos]}", run_tails, markers, op_of)
+            barriers += len(set(run_tails)) > 1
+            run_tails = []
         ops = op_map.nodes[v]
         k = count[v]
         count[v] += 1
@@ -262,7 +295,7 @@ def build_graph_def(traced, op_map, sequence, *, chain: str = "op"):
                 after = tail_before[partner[o]]
                 fused_pairs += 1
             tail_before[o] = after
-            if (chain == "op" and after) or (chain == "node" and o in heads and after):
+            if (chain == "op" and after) or (chain in ("node", "run") and o in heads and after):
                 # an op that already reads a tensor of the op it follows needs no control
                 # edge; a redundant edge also stops Grappler's remapper from fusing the two
                 data_from = {r.split(":")[0] for r in ins if not r.startswith("^")}
@@ -292,7 +325,11 @@ def build_graph_def(traced, op_map, sequence, *, chain: str = "op"):
                     prev_tail = prev_tail + [c.name]
         if chain == "node":
             prev_tail = [copy_name(o, k) for o in tails]
+        elif chain == "run":
+            run_tails += [copy_name(o, k) for o in tails]
         current[v] = k
+    if chain == "run":
+        prev_tail = run_tails
     if chain == "none":
         # no ordering: the outputs wait for every op nothing else reads (side effects included)
         read = set()
@@ -310,6 +347,8 @@ def build_graph_def(traced, op_map, sequence, *, chain: str = "op"):
             "recomputed_ops": emitted - sum(len(o) for o in op_map.nodes),
             "fixed_ops": len(fixed), "chain": chain, "chain_edges": chain_edges,
             "fused_pairs": fused_pairs, "sequential_loops": loops,
+            "runs": (runs[-1] + 1 if runs else 0) if chain == "run" else None,
+            "run_barriers": barriers if chain == "run" else None,
             "tails": list(prev_tail)}
     return out, outputs, prev_tail, info
 
@@ -358,6 +397,20 @@ def _marker(out, tail, markers, op_of):
             m = nd.name
         markers[tail] = m
     return m
+
+
+def _barrier(out, name, tails, markers, op_of):
+    """What the next run's heads follow: the single tail of the previous run, or a ``NoOp``
+    that waits for all of them (nothing for the first run)."""
+    tails = list(dict.fromkeys(tails))
+    if len(tails) <= 1:
+        return tails
+    nd = out.node.add()
+    nd.name = name
+    nd.op = "NoOp"
+    nd.input.extend("^" + _marker(out, t, markers, op_of) for t in dict.fromkeys(tails))
+    markers[nd.name] = nd.name
+    return [nd.name]
 
 
 def _gate(out, name, ins, deps, op, internal):
