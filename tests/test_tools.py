@@ -149,6 +149,36 @@ def test_max_batch_python_api_bad_budget():
         max_batch_size(lambda b: None)
     with pytest.raises(ValueError, match="positive"):
         max_batch_size(lambda b: None, budget_bytes=0)
+    # a fresh process cannot load a bare callable again
+    with pytest.raises(ValueError, match="load_builder"):
+        max_batch_size(lambda b: None, budget_bytes=1 << 20, isolate=True)
+
+
+def test_load_builder_carries_what_a_fresh_process_needs(module_file):
+    from tf_remat.training import load_builder
+
+    build = load_builder(module=f"{module_file}:build")
+    assert build.builder_spec == {"model": None, "module": f"{module_file}:build",
+                                  "input_size": None, "num_classes": None}
+    model, ispec, lspec = build(3)
+    assert ispec.shape[0] == 3 and lspec.shape[0] == 3 and model.optimizer is not None
+
+
+@pytest.mark.parametrize("largest,start,limit", [(34, 12, 48), (48, 12, 48), (47, 48, 48),
+                                                 (5, 12, 48), (0, 12, 48), (100, 1, 48),
+                                                 (12, 20, 16)])
+def test_search_finds_the_largest_fitting_size_up_to_the_limit(largest, start, limit):
+    from tf_remat.batch import _search
+
+    tried = []
+
+    def fits(b):
+        assert 1 <= b <= limit, b  # never a size past the limit
+        tried.append(b)
+        return b <= largest
+
+    assert _search(fits, start, limit) == min(largest, limit)
+    assert len(tried) == len(set(tried)), tried  # no size measured twice
 
 
 @pytest.mark.parametrize("data", [False, True], ids=["synthetic", "tf.data"])

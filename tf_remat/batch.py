@@ -109,10 +109,58 @@ def _probe(build, batch, budget, *, remat, strategy, time_limit, verbose, cost_m
     return peak, time.perf_counter() - t0, edge
 
 
+#: the child that runs one probe in a fresh process (see ``_probe_isolated``)
+_CHILD = """
+import json, sys
+from tf_remat.batch import _probe
+from tf_remat.training import load_builder
+a = json.loads(sys.argv[1])
+build = load_builder(a["model"], a["module"], input_size=a["input_size"],
+                     num_classes=a["num_classes"])
+peak, secs, edge = _probe(build, a["batch"], a["budget"], remat=a["remat"],
+                          strategy=a["strategy"], time_limit=a["time_limit"],
+                          verbose=a["verbose"], cost_model=a["cost_model"])
+print("tf-remat-probe " + json.dumps([peak, secs, edge]), flush=True)
+"""
+
+
+def _probe_isolated(spec: dict, batch, budget, **kw):
+    """:func:`_probe` in a fresh Python process: what a user's own process would measure.
+
+    Within one process the allocator keeps every region it grew, so the search's earlier
+    probes change what later ones measure: TensorFlow's BFC allocator hands a request a whole
+    free chunk of up to twice its size and counts all of it, and which requests meet such
+    chunks depends on the regions there are. A residual CNN at 4.5 MiB activations and a
+    30.7 MiB budget: one plan measured 26.7 MiB in the search's process and 32-37 MiB in fresh
+    ones, and the same plan measures the same in every fresh process.
+    """
+    import json
+    import subprocess
+    import sys
+
+    from tf_remat.errors import RematError
+
+    args = dict(spec, batch=int(batch), budget=int(budget), **kw)
+    proc = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(args)],
+                          capture_output=True, text=True)
+    lines = proc.stdout.splitlines()
+    for line in reversed(lines):
+        if line.startswith("tf-remat-probe "):
+            if kw.get("verbose"):
+                for ln in lines:
+                    if not ln.startswith("tf-remat-probe "):
+                        print(ln)
+            peak, secs, edge = json.loads(line[len("tf-remat-probe "):])
+            return peak, secs, edge
+    tail = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+    raise RematError(f"the probe at batch {batch} ({'remat' if kw.get('remat') else 'plain'}) "
+                     f"failed in its process: {tail}")
+
+
 def max_batch_size(build, budget_gb: float | None = None, *, budget_bytes: int | None = None,
                    strategy: str = "auto", time_limit: float = 30.0, start: int = 1,
                    max_batch: int = 4096, cost_model: str = "flops",
-                   verbose: int = 1) -> MaxBatchResult:
+                   verbose: int = 1, isolate: bool | None = None) -> MaxBatchResult:
     """Largest batch sizes that train within the budget, plain and with rematerialization.
 
     Args:
@@ -124,10 +172,16 @@ def max_batch_size(build, budget_gb: float | None = None, *, budget_bytes: int |
         cost_model: op costs for the solver, ``"flops"`` (default: every batch size has new
             shapes, and profiling each would dominate the search; costs only steer which
             values are recomputed, never whether a size fits) or ``"profile"``.
+        isolate: run each probe in a fresh Python process, as a user's training process starts
+            (see :func:`_probe_isolated`). Needs a ``build`` from
+            :func:`tf_remat.training.load_builder` (a zoo name or ``file.py:function``, as the
+            command line gives), which a fresh process can load again; the default is True for
+            such a ``build`` and False for any other callable, whose probes share this process.
 
     Returns:
         :class:`MaxBatchResult`; both sizes were confirmed by a measured run within budget (a
-        rewritten step also within the verification margin of :func:`tf_remat.optimize`).
+        rewritten step also within the verification margin of :func:`tf_remat.optimize`, with
+        room left for one more of its graph's largest values; see :func:`_probe`).
 
     Example:
         >>> r = tf_remat.max_batch_size(build, budget_gb=1.0)   # doctest: +SKIP
@@ -144,10 +198,20 @@ def max_batch_size(build, budget_gb: float | None = None, *, budget_bytes: int |
 
     progress = bar(None, "max-batch", verbose)
 
+    spec = getattr(build, "builder_spec", None)
+    if isolate is None:
+        isolate = spec is not None
+    if isolate and spec is None:
+        raise ValueError("isolate=True needs a build from tf_remat.training.load_builder (a zoo "
+                         "name or 'file.py:function') that a fresh process can load")
+
     def fits(batch, remat):
-        peak, secs, edge = _probe(build, batch, budget, remat=remat, strategy=strategy,
-                                  time_limit=time_limit, verbose=verbose,
-                                  cost_model=cost_model)
+        kw = dict(remat=remat, strategy=strategy, time_limit=time_limit, verbose=verbose,
+                  cost_model=cost_model)
+        if isolate:
+            peak, secs, edge = _probe_isolated(spec, batch, budget, **kw)
+        else:
+            peak, secs, edge = _probe(build, batch, budget, **kw)
         ok = peak is not None and peak <= budget and not edge
         probes.append({"batch": batch, "remat": remat, "peak_bytes": peak, "fits": ok,
                        "at_edge": edge, "seconds": round(secs, 2)})
@@ -171,18 +235,22 @@ def max_batch_size(build, budget_gb: float | None = None, *, budget_bytes: int |
 def _search(fits, start, limit) -> int:
     """Largest b in [1, limit] with fits(b), assuming monotone; doubling then bisection."""
     lo, hi = 0, None
-    b = start
-    while b <= limit:
+    b = min(start, limit)
+    while True:
         if fits(b):
             lo = b
-            b *= 2
+            if b >= limit:
+                break
+            # the limit itself is the last size tried: doubling past it would leave the sizes
+            # between the last fit and the limit unsearched
+            b = min(2 * b, limit)
         else:
             hi = b
             break
     if lo == 0:
         if start == 1:
             return 0
-        return _search(fits, 1, start - 1)
+        return _search(fits, 1, min(start, limit) - 1)
     if hi is None:
         return lo
     while hi - lo > 1:

@@ -37,19 +37,30 @@ def load_function(ref: str, what: str = "--module"):
 def load_builder(model: str | None = None, module: str | None = None, *, input_size=None,
                  num_classes=None):
     """``build(batch_size) -> (compiled_model, input_spec, label_spec)`` for a zoo name or
-    ``path/to/file.py:function``."""
+    ``path/to/file.py:function``; its ``builder_spec`` attribute (a dict of the arguments) lets
+    another process load the same builder."""
     if (model is None) == (module is None):
         raise ValueError("give --model NAME or --module file.py:build (one of them)")
+    spec = {"model": model, "module": module, "input_size": input_size,
+            "num_classes": num_classes}
     if module is not None:
-        return load_function(module, "--module")
-    from tf_remat.zoo import get_model
+        fn = load_function(module, "--module")
 
-    get_model(model, 1, input_size, num_classes)  # an unknown name or size fails here, early
+        def build(batch_size):
+            return fn(batch_size)
 
-    def build(batch_size):
-        return get_model(model, batch_size, input_size, num_classes)
+        build.__name__ = getattr(fn, "__name__", "build")
+    else:
+        from tf_remat.zoo import get_model
 
-    build.__name__ = f"zoo_{model}"
+        get_model(model, 1, input_size, num_classes)  # an unknown name or size fails here
+
+        def build(batch_size):
+            return get_model(model, batch_size, input_size, num_classes)
+
+        build.__name__ = f"zoo_{model}"
+    # what another process needs to load the same builder (tf_remat.batch runs probes so)
+    build.builder_spec = spec
     return build
 
 
