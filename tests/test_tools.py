@@ -164,6 +164,38 @@ def test_load_builder_carries_what_a_fresh_process_needs(module_file):
     assert ispec.shape[0] == 3 and lspec.shape[0] == 3 and model.optimizer is not None
 
 
+OOM_MODULE = textwrap.dedent('''
+    import keras
+    import tensorflow as tf
+
+
+    def build(batch_size):
+        if batch_size > 2:  # as a device that cannot hold more would fail
+            raise tf.errors.ResourceExhaustedError(None, None, "OOM when allocating tensor")
+        inp = keras.Input((8,), batch_size=batch_size)
+        model = keras.Model(inp, keras.layers.Dense(3)(keras.layers.Dense(16, "relu")(inp)))
+        model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+        return (model, tf.TensorSpec((batch_size, 8)), tf.TensorSpec((batch_size,), tf.int32))
+''')
+
+
+def test_max_batch_probes_in_fresh_processes_and_survives_out_of_memory(tmp_path, capsys):
+    from tf_remat.batch import max_batch_size
+    from tf_remat.training import load_builder
+
+    path = tmp_path / "oom.py"
+    path.write_text(OOM_MODULE)
+    # each probe in its own process: a size that runs out of memory there is one that does
+    # not fit, and the search goes on (in a shared process the error would end it)
+    r = max_batch_size(load_builder(module=f"{path}:build"), budget_gb=1.0, start=1,
+                       max_batch=4, strategy="checkpoint-all", time_limit=10, verbose=1)
+    assert (r.plain_batch, r.remat_batch) == (2, 2), r.probes
+    tried = [(p["batch"], p["remat"], p["fits"]) for p in r.probes]
+    assert (4, False, False) in tried and (3, False, False) in tried, tried
+    assert all(p["peak_bytes"] is None for p in r.probes if p["batch"] > 2)
+    assert "plain batch 4: out of memory" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("largest,start,limit", [(34, 12, 48), (48, 12, 48), (47, 48, 48),
                                                  (5, 12, 48), (0, 12, 48), (100, 1, 48),
                                                  (12, 20, 16)])

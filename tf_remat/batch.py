@@ -124,6 +124,10 @@ print("tf-remat-probe " + json.dumps([peak, secs, edge]), flush=True)
 """
 
 
+#: what a probe's process prints when it ran out of memory
+_OOM_ERRORS = ("ResourceExhaustedError", "MemoryError", "OutOfMemoryError")
+
+
 def _probe_isolated(spec: dict, batch, budget, **kw):
     """:func:`_probe` in a fresh Python process: what a user's own process would measure.
 
@@ -141,6 +145,7 @@ def _probe_isolated(spec: dict, batch, budget, **kw):
     from tf_remat.errors import RematError
 
     args = dict(spec, batch=int(batch), budget=int(budget), **kw)
+    t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(args)],
                           capture_output=True, text=True)
     lines = proc.stdout.splitlines()
@@ -152,6 +157,10 @@ def _probe_isolated(spec: dict, batch, budget, **kw):
                         print(ln)
             peak, secs, edge = json.loads(line[len("tf-remat-probe "):])
             return peak, secs, edge
+    # out of memory in its own process (TensorFlow's error, or killed by the system): the size
+    # does not fit, and the search goes on, where in a shared process it would have ended
+    if proc.returncode < 0 or any(e in proc.stderr for e in _OOM_ERRORS):
+        return None, time.perf_counter() - t0, False
     tail = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
     raise RematError(f"the probe at batch {batch} ({'remat' if kw.get('remat') else 'plain'}) "
                      f"failed in its process: {tail}")
@@ -215,9 +224,10 @@ def max_batch_size(build, budget_gb: float | None = None, *, budget_bytes: int |
         ok = peak is not None and peak <= budget and not edge
         probes.append({"batch": batch, "remat": remat, "peak_bytes": peak, "fits": ok,
                        "at_edge": edge, "seconds": round(secs, 2)})
+        status = "fits" if ok else "at the budget's edge" if edge else "over"
         progress.update(f"{'remat' if remat else 'plain'} batch {batch}: "
-                        + (f"peak {format_bytes(peak)}" if peak is not None else "no plan")
-                        + (" fits" if ok else " at the budget's edge" if edge else " over"))
+                        + (f"peak {format_bytes(peak)} {status}" if peak is not None
+                           else "no plan" if remat else "out of memory"))
         return ok
 
     plain = _search(lambda b: fits(b, False), start, max_batch)
