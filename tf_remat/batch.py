@@ -2,8 +2,8 @@
 
 A user's ``build(batch_size)`` returns ``(compiled_model, input_spec, label_spec)``. For each
 candidate batch size the plain step (checkpoint all) and the rewritten step are *run* and their
-peak memory measured as TensorFlow counts it; a size is reported only after such a run stayed
-within the budget.
+peak memory measured as TensorFlow counts it, in a fresh process when the builder can be loaded
+there again; a size is reported only after such a run stayed within the budget.
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ print("tf-remat-probe " + json.dumps([peak, secs, edge]), flush=True)
 
 
 #: what a probe's process prints when it ran out of memory
-_OOM_ERRORS = ("ResourceExhaustedError", "MemoryError", "OutOfMemoryError")
+_OOM_ERRORS = ("ResourceExhaustedError", "MemoryError")  # MemoryError: OutOfMemoryError too
 
 
 def _probe_isolated(spec: dict, batch, budget, **kw):
@@ -189,8 +189,8 @@ def max_batch_size(build, budget_gb: float | None = None, *, budget_bytes: int |
 
     Returns:
         :class:`MaxBatchResult`; both sizes were confirmed by a measured run within budget (a
-        rewritten step also within the verification margin of :func:`tf_remat.optimize`, with
-        room left for one more of its graph's largest values; see :func:`_probe`).
+        rewritten step also within the verification margin of :func:`tf_remat.optimize`), each
+        in a fresh process when ``isolate``.
 
     Example:
         >>> r = tf_remat.max_batch_size(build, budget_gb=1.0)   # doctest: +SKIP
