@@ -213,6 +213,36 @@ def test_search_finds_the_largest_fitting_size_up_to_the_limit(largest, start, l
     assert len(tried) == len(set(tried)), tried  # no size measured twice
 
 
+@pytest.mark.parametrize("passes,times,expect", [
+    ({36: 2}, 2, 36),             # the found size passes both confirmations
+    ({36: 1, 35: 2}, 2, 35),      # its second fails: the next smaller size
+    ({36: 1, 35: 0, 34: 2}, 2, 34),
+    ({}, 2, 16),                  # nothing passes: the plain size, which needs no solve
+    ({36: 0}, 0, 36),             # confirm=0: the search's own probe decides
+])
+def test_confirmation_steps_down_until_a_size_passes_every_solve(passes, times, expect):
+    from tf_remat.batch import _confirmed
+
+    left, tried = dict(passes), []
+
+    def fits(b):  # a size passes its first ``passes[b]`` probes, then fails
+        tried.append(b)
+        left[b] = left.get(b, 0) - 1
+        return left[b] >= 0
+
+    assert _confirmed(fits, 36, 16, times) == expect
+    assert all(b > 16 for b in tried)  # the plain size is never solved again
+    # a size's trials stop at its first failure
+    assert all(tried.count(b) <= times for b in set(tried)), tried
+
+
+def test_max_batch_rejects_negative_confirm():
+    from tf_remat.batch import max_batch_size
+
+    with pytest.raises(ValueError, match="confirm"):
+        max_batch_size(lambda b: None, budget_bytes=1 << 20, confirm=-1)
+
+
 @pytest.mark.parametrize("data", [False, True], ids=["synthetic", "tf.data"])
 def test_train_script_logs_epochs_with_decreasing_loss(module_file, budget_gb, tmp_path, data):
     log = tmp_path / "run.csv"

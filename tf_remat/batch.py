@@ -3,7 +3,8 @@
 A user's ``build(batch_size)`` returns ``(compiled_model, input_spec, label_spec)``. For each
 candidate batch size the plain step (checkpoint all) and the rewritten step are *run* and their
 peak memory measured as TensorFlow counts it, in a fresh process when the builder can be loaded
-there again; a size is reported only after such a run stayed within the budget.
+there again; a size is reported only after such a run stayed within the budget (a
+rematerialized size in three runs, each solving anew: see ``confirm``).
 """
 
 from __future__ import annotations
@@ -169,7 +170,8 @@ def _probe_isolated(spec: dict, batch, budget, **kw):
 def max_batch_size(build, budget_gb: float | None = None, *, budget_bytes: int | None = None,
                    strategy: str = "auto", time_limit: float = 30.0, start: int = 1,
                    max_batch: int = 4096, cost_model: str = "flops",
-                   verbose: int = 1, isolate: bool | None = None) -> MaxBatchResult:
+                   verbose: int = 1, isolate: bool | None = None,
+                   confirm: int = 2) -> MaxBatchResult:
     """Largest batch sizes that train within the budget, plain and with rematerialization.
 
     Args:
@@ -186,11 +188,16 @@ def max_batch_size(build, budget_gb: float | None = None, *, budget_bytes: int |
             :func:`tf_remat.training.load_builder` (a zoo name or ``file.py:function``, as the
             command line gives), which a fresh process can load again; the default is True for
             such a ``build`` and False for any other callable, whose probes share this process.
+        confirm: probes the rematerialized size must also pass, each solving anew, before it
+            is reported; a size that fails one is dropped for the next smaller. The solver does
+            not give the same plan twice, and near the largest size whether a plan fits is
+            decided by which allocator chunks its tensors meet: one lucky plan is not a size a
+            user's own ``optimize`` call can count on. 0: the search's probe alone.
 
     Returns:
         :class:`MaxBatchResult`; both sizes were confirmed by a measured run within budget (a
-        rewritten step also within the verification margin of :func:`tf_remat.optimize`), each
-        in a fresh process when ``isolate``.
+        rewritten step also within the verification margin of :func:`tf_remat.optimize`, in
+        ``1 + confirm`` separate solves), each in a fresh process when ``isolate``.
 
     Example:
         >>> r = tf_remat.max_batch_size(build, budget_gb=1.0)   # doctest: +SKIP
@@ -202,6 +209,8 @@ def max_batch_size(build, budget_gb: float | None = None, *, budget_bytes: int |
     budget = int(budget_bytes if budget_bytes is not None else budget_gb * 2**30)
     if budget <= 0:
         raise ValueError(f"the budget must be positive, got {budget} bytes")
+    if confirm < 0:
+        raise ValueError(f"confirm must be >= 0, got {confirm}")
     probes = []
     from tf_remat._progress import bar
 
@@ -214,7 +223,7 @@ def max_batch_size(build, budget_gb: float | None = None, *, budget_bytes: int |
         raise ValueError("isolate=True needs a build from tf_remat.training.load_builder (a zoo "
                          "name or 'file.py:function') that a fresh process can load")
 
-    def fits(batch, remat):
+    def fits(batch, remat, check=False):
         kw = dict(remat=remat, strategy=strategy, time_limit=time_limit, verbose=verbose,
                   cost_model=cost_model)
         if isolate:
@@ -223,15 +232,17 @@ def max_batch_size(build, budget_gb: float | None = None, *, budget_bytes: int |
             peak, secs, edge = _probe(build, batch, budget, **kw)
         ok = peak is not None and peak <= budget and not edge
         probes.append({"batch": batch, "remat": remat, "peak_bytes": peak, "fits": ok,
-                       "at_edge": edge, "seconds": round(secs, 2)})
+                       "at_edge": edge, "confirm": check, "seconds": round(secs, 2)})
         status = "fits" if ok else "at the budget's edge" if edge else "over"
-        progress.update(f"{'remat' if remat else 'plain'} batch {batch}: "
+        progress.update(f"{'remat' if remat else 'plain'} batch {batch}"
+                        f"{' (confirm)' if check else ''}: "
                         + (f"peak {format_bytes(peak)} {status}" if peak is not None
                            else "no plan" if remat else "out of memory"))
         return ok
 
     plain = _search(lambda b: fits(b, False), start, max_batch)
     remat = _search(lambda b: fits(b, True), max(start, plain or start), max_batch)
+    remat = _confirmed(lambda b: fits(b, True, check=True), remat, plain, confirm)
     remat = max(remat, plain)
     progress.close()
     result = MaxBatchResult(plain, remat, budget, probes)
@@ -240,6 +251,17 @@ def max_batch_size(build, budget_gb: float | None = None, *, budget_bytes: int |
         print(f"budget {format_bytes(budget)}: plain batch {plain}, with rematerialization "
               f"{remat} ({ratio})")
     return result
+
+
+def _confirmed(fits, found, floor, times) -> int:
+    """Largest b in (floor, found] that passes ``times`` more probes, stepping down by one
+    from ``found``; else ``floor``. A probe that fails ends its size's trials."""
+    b = found
+    while b > floor:
+        if all(fits(b) for _ in range(times)):
+            return b
+        b -= 1
+    return floor
 
 
 def _search(fits, start, limit) -> int:

@@ -170,7 +170,7 @@ def cmd_max_batch(args) -> int:
     result = max_batch_size(build, budget_gb=args.budget_gb, strategy=args.strategy,
                             time_limit=args.time_limit, start=args.start,
                             max_batch=args.max, cost_model=args.cost_model,
-                            verbose=0 if args.json else 1)
+                            verbose=0 if args.json else 1, confirm=args.confirm)
     if args.json:
         print(json.dumps(result.to_dict()))
     return 0
@@ -306,6 +306,9 @@ def _build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max", type=int, default=4096, help="largest batch size tried")
     s.add_argument("--cost-model", default="flops", choices=("flops", "profile"),
                    help="op costs for the solver (flops: no profiling at every size)")
+    s.add_argument("--confirm", type=int, default=2,
+                   help="more solves the rematerialized size must pass before it is "
+                        "reported (default 2; a failure steps down one size)")
     s.add_argument("--json", action="store_true",
                    help='one line {"plain_batch", "remat_batch", "budget_bytes"}')
     s.set_defaults(func=cmd_max_batch)
