@@ -305,10 +305,13 @@ def test_predicted_peak_matches_tensorflow(name):
     # convolutions at once hold two ~27 MiB scratch buffers, which no sequential order does;
     # and its executor picks its own order, whose peak may be lower than the reference
     # order's (res_block: 0.87 of it, 0.79 once BatchNorm gradients no longer materialize
-    # their broadcasts, which lowered the executor's peak and not the reference order's)
+    # their broadcasts, which lowered the executor's peak and not the reference order's), or
+    # higher by one value held beside the order's (res_block on 2 cores: 36.06 MiB against
+    # 32.07, exactly one 4 MiB activation more, in every run here; one CI run measured 36.98)
     plain = min(p + g.fixed_memory for p in measured_peak_layouts(ex))
-    assert 0.75 * g.no_remat_peak <= plain <= 1.15 * g.no_remat_peak + 2 * scratch, \
-        (g.no_remat_peak, plain, scratch)
+    assert 0.75 * g.no_remat_peak <= plain <= (1.15 * g.no_remat_peak + max(g.memory)
+                                               + 2 * scratch), \
+        (g.no_remat_peak, plain, max(g.memory), scratch)
 
 
 @pytest.mark.skipif(bool(tf.config.list_logical_devices("GPU")), reason="CPU memory model")
