@@ -634,11 +634,18 @@ def measure_workspace(traced: TracedStep, op_map: OpMap, *, x=None, y=None) -> l
     finally:
         restore_variables(traced.variables, saved)
     node_of = op_map.node_of()
+    # a variable update's "temp" allocation is a copy on write of the variable (a read of it
+    # was still referenced), which becomes the variable's buffer rather than scratch; whether
+    # it happens depends on which ops the free-running executor had finished, so it came and
+    # went between runs of one model (an MLP's graph had 52, 53 or 54 nodes), and a plan saved
+    # from one run did not fit the next. The measured check sees it when a plan's order makes it
+    updates = {op.name for op in traced.function.graph.get_operations()
+               if _updates_variable(op.type)}
     live, held = {}, [0] * op_map.n
     for _, alloc, st in events:
         if alloc:
             v = node_of.get(st.get("tf_op"))
-            if v is None or st.get("region_type") != "temp":
+            if v is None or st.get("region_type") != "temp" or st.get("tf_op") in updates:
                 continue
             b = counted_bytes(int(st.get("requested_bytes", 0)), kind)
             live[st.get("addr")] = (v, b)
@@ -648,6 +655,11 @@ def measure_workspace(traced: TracedStep, op_map: OpMap, *, x=None, y=None) -> l
             v, b = live.pop(st.get("addr"))
             held[v] -= b
     return [b if b >= _MIN_WORKSPACE else 0 for b in ws]
+
+
+def _updates_variable(op_type: str) -> bool:
+    return (op_type in ("AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp")
+            or op_type.startswith(("ResourceApply", "ResourceSparseApply", "ResourceScatter")))
 
 
 def restore_variables(variables, values):
