@@ -230,6 +230,61 @@ def test_budget_arguments_and_saved_artifacts(tmp_path):
     assert not step.attached and "make_train_function" not in model.__dict__
 
 
+def test_a_saved_plan_runs_again_instead_of_a_solve(tmp_path):
+    from tf_remat.errors import PlanError
+    from tf_remat.solvers import solve
+
+    model, xs, ys = fresh(mlp)
+    step = tf_remat.optimize(model, budget_gb=1.0, input_spec=xs, label_spec=ys, attach=False,
+                             **FAST)
+    g = step.graph
+    assert step.report["plan_source"] == "solved"
+    assert step.plan.info["graph_digest"] == g.structure_digest
+    # a plan that recomputes, which no solve at 1 GiB would return (it keeps every value)
+    other = solve(g, g.no_remat_peak, "chen-sqrtn")
+    assert other.overhead > 0
+    other.save(tmp_path / "recompute.json")
+    step.plan.save(tmp_path / "solved.json")
+
+    # a new process's model: same architecture, other layer names and weights
+    model2, xs2, ys2 = fresh(mlp, seed=5)
+    again = tf_remat.optimize(model2, budget_gb=1.0, input_spec=xs2, label_spec=ys2,
+                              attach=False, plan=tmp_path / "recompute.json", **FAST)
+    rep = again.report
+    assert rep["plan_source"] == "given" and again.plan.sequence == other.sequence
+    assert rep["predicted_overhead"] == pytest.approx(other.overhead)
+    assert rep["verified"] and rep["measured_peak_bytes"] <= 2**30
+    x, y = data(xs2, ys2)
+    plain = tf_remat.optimize(model2, budget_gb=1.0, input_spec=xs2, label_spec=ys2,
+                              attach=False, **FAST)
+    # the given plan's training step updates the weights as the solved one does
+    snap = Snapshot(list(model2.variables) + list(model2.optimizer.variables))
+    loss1 = float(again(x, y))
+    after1 = [v.numpy().copy() for v in model2.trainable_variables]
+    snap.restore()
+    loss2 = float(plain(x, y))
+    after2 = [v.numpy().copy() for v in model2.trainable_variables]
+    assert loss1 == pytest.approx(loss2, rel=1e-5)
+    for a, b in zip(after1, after2):
+        assert close(a, b, float(np.max(np.abs(b)))), np.max(np.abs(a - b))
+
+    # a plan for another batch size is refused before anything runs, and says why
+    model3, xs3, ys3 = fresh(lambda: mlp(batch=512))
+    with pytest.raises(PlanError, match="does not fit this model's step.*drop plan="):
+        tf_remat.optimize(model3, budget_gb=1.0, input_spec=xs3, label_spec=ys3,
+                          attach=False, plan=tmp_path / "solved.json", **FAST)
+    with pytest.raises(PlanError, match="over the budget"):
+        tf_remat.optimize(model2, budget_bytes=step.plan.peak_memory - 1, input_spec=xs2,
+                          label_spec=ys2, attach=False, plan=step.plan, **FAST)
+    with pytest.raises(PlanError, match="does not exist"):
+        tf_remat.optimize(model2, budget_gb=1.0, input_spec=xs2, label_spec=ys2,
+                          plan=tmp_path / "missing.json", **FAST)
+    with pytest.raises(TypeError, match="plan must be"):
+        tf_remat.optimize(model2, budget_gb=1.0, input_spec=xs2, label_spec=ys2, plan=3,
+                          **FAST)
+    assert "make_train_function" not in model2.__dict__  # nothing attached by the failures
+
+
 def heldout_net(batch=64, hw=32):
     """A model like the held-out check's (not in the zoo): residual blocks with a strided
     projection shortcut, BatchNorm, Dropout; compiled with a metric. Batch 64: at 16 its step

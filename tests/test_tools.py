@@ -52,17 +52,19 @@ REMEASURE = textwrap.dedent('''
     spec = importlib.util.spec_from_file_location("m", sys.argv[1])
     mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)
     batch, budget = int(sys.argv[2]), int(sys.argv[3])
+    plan = sys.argv[4] if len(sys.argv) > 4 else None
     model, ispec, lspec = mod.build(batch)
     # the 5% slack the budget is checked with: another process's allocator history differs
     step = tf_remat.optimize(model, budget_bytes=int(1.05 * budget), input_spec=ispec,
                              label_spec=lspec,
                              strategy="moccasin", time_limit=10, verbose=0,
-                             cost_model="flops", attach=False)
+                             cost_model="flops", attach=False, plan=plan)
     x = tf.random.normal(ispec.shape); y = tf.zeros(lspec.shape, tf.int32)
     step(x, y).numpy(); gc.collect()
     tf.config.experimental.reset_memory_stats("CPU:0")
     step(x, y).numpy()
-    print(json.dumps({"peak": tf.config.experimental.get_memory_info("CPU:0")["peak"]}))
+    print(json.dumps({"peak": tf.config.experimental.get_memory_info("CPU:0")["peak"],
+                      "plan_source": step.report["plan_source"]}))
 ''')
 
 BUDGET_GB = 0.03  # GiB, plus the kernels' scratch space (see ``budget_gb``)
@@ -114,10 +116,11 @@ def budget_gb(module_file):
 
 
 def test_max_batch_cli_json_and_remeasured(module_file, budget_gb, tmp_path):
+    saved = tmp_path / "plan.json"
     proc = subprocess.run(
         [sys.executable, "-m", "tf_remat", "max-batch", "--module", f"{module_file}:build",
          "--budget-gb", str(budget_gb), "--strategy", "moccasin", "--time-limit", "10",
-         "--start", "12", "--max", "48", "--json"],
+         "--start", "12", "--max", "48", "--json", "--save-plan", str(saved)],
         capture_output=True, text=True, env=_env(), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -132,14 +135,23 @@ def test_max_batch_cli_json_and_remeasured(module_file, budget_gb, tmp_path):
     assert out["remat_batch"] >= out["plain_batch"], out
     script = tmp_path / "remeasure.py"
     script.write_text(REMEASURE)
-    proc = subprocess.run([sys.executable, str(script), module_file, str(out["remat_batch"]),
-                           str(out["budget_bytes"])], capture_output=True, text=True,
-                          env=_env(), timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    peak = json.loads(proc.stdout.strip().splitlines()[-1])["peak"]
-    # the allocator's absolute peak also counts what the process holds besides the step
-    # (the test's own batch, TF's runtime buffers): 5% slack, as the budget is checked
-    assert peak <= 1.05 * out["budget_bytes"], (peak, out)
+    # a user's own solve at the reported size, and the plan max-batch saved for it (written
+    # when rematerialization reached past the plain size)
+    runs = [(None, "solved")]
+    if out["remat_batch"] > out["plain_batch"]:
+        assert saved.exists()
+        runs.append((saved, "given"))
+    for plan, source in runs:
+        proc = subprocess.run([sys.executable, str(script), module_file,
+                               str(out["remat_batch"]), str(out["budget_bytes"])]
+                              + ([str(plan)] if plan else []),
+                              capture_output=True, text=True, env=_env(), timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        res = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert res["plan_source"] == source, res
+        # the allocator's absolute peak also counts what the process holds besides the step
+        # (the test's own batch, TF's runtime buffers): 5% slack, as the budget is checked
+        assert res["peak"] <= 1.05 * out["budget_bytes"], (res, out)
 
 
 def test_max_batch_python_api_bad_budget():
@@ -264,6 +276,17 @@ def test_train_script_logs_epochs_with_decreasing_loss(module_file, budget_gb, t
     assert all(float(r["step_time_s"]) > 0 and int(r["peak_bytes"]) > 0 for r in rows)
     report = proc.stdout.strip().splitlines()[-1]
     assert "'strategy': 'moccasin'" in report
+    if not data:
+        return
+    # the plan that ran, saved and run again: no solve
+    saved = tmp_path / "plan.json"
+    proc = subprocess.run(cmd + ["--save-plan", str(saved), "--epochs", "1"],
+                          capture_output=True, text=True, env=_env(), timeout=600)
+    assert proc.returncode == 0 and saved.exists(), proc.stderr[-3000:]
+    proc = subprocess.run(cmd + ["--plan", str(saved), "--epochs", "1"],
+                          capture_output=True, text=True, env=_env(), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "'plan_source': 'given'" in proc.stdout.strip().splitlines()[-1]
 
 
 def test_train_script_reports_bad_module(tmp_path):

@@ -84,7 +84,8 @@ def verification_layouts(largest: int) -> list:
 def optimize(model, budget_gb: float | None = None, *, budget_bytes: int | None = None,
              input_spec, label_spec, loss=None, optimizer=None, strategy="auto",
              time_limit: float | None = 60.0, verbose: int = 1, cost_model: str = "profile",
-             verify: bool = True, attach: bool = True, chain: str = "node") -> "OptimizedStep":
+             verify: bool = True, attach: bool = True, chain: str = "node",
+             plan=None) -> "OptimizedStep":
     """Rematerialize ``model``'s training step to fit ``budget_gb`` GiB of peak memory.
 
     Args:
@@ -109,6 +110,14 @@ def optimize(model, budget_gb: float | None = None, *, budget_bytes: int | None 
             budget less a margin (:func:`verification_margin`).
         attach: make ``model.fit`` train with the rewritten step (undo with ``step.detach()``).
         chain: how the plan's order is imposed (see :func:`tf_remat.rewrite.rewrite`).
+        plan: a :class:`~tf_remat.plan.Plan`, or the path of one saved from ``step.plan``, for
+            this model's step at this batch size: it is run instead of a first solve. The
+            solver does not give the same plan twice, and a plan measures the same in every
+            fresh process, so reusing one that was verified repeats its peak. It is checked
+            against the traced step (same nodes, memory and edges, else ``PlanError``) and
+            verified as a solved plan is; when it measures over the budget less the margin,
+            ``optimize`` solves as it would without it (``report["plan_source"]`` says which
+            plan runs).
 
     Returns:
         An :class:`OptimizedStep`: ``step(x, y)`` runs one training step (optimizer update
@@ -134,8 +143,9 @@ def optimize(model, budget_gb: float | None = None, *, budget_bytes: int | None 
         raise ValueError(f"chain must be one of {CHAINS}, got {chain!r}")
     budget = _budget_bytes(budget_gb, budget_bytes)
     strategy = _resolve_strategy(strategy, verbose)
+    given = _given_plan(plan)  # a missing or malformed file fails before any tracing
     opts = dict(loss=loss, optimizer=optimizer, strategy=strategy, time_limit=time_limit,
-                verbose=verbose, cost_model=cost_model, verify=verify, chain=chain)
+                verbose=verbose, cost_model=cost_model, verify=verify, chain=chain, plan=given)
     step = OptimizedStep(model, budget, input_spec, label_spec, opts)
     step._primary()  # extract, solve, rewrite, verify; raises before any change to the model
     if verbose:
@@ -249,7 +259,8 @@ class OptimizedStep:
         from tf_remat.plan import simulate
 
         counts = simulate(graph, plan.steps).compute_counts
-        rep = {"strategy": plan.strategy, "status": plan.status,
+        rep = {"strategy": plan.strategy, "plan_source": plan.info.get("plan_source", "solved"),
+               "status": plan.status,
                "budget_bytes": self.budget_bytes, "predicted_peak_bytes": plan.peak_memory,
                "baseline_peak_bytes": graph.no_remat_peak,
                "predicted_overhead": plan.overhead, "solve_seconds": plan.solve_seconds}
@@ -433,6 +444,10 @@ class OptimizedStep:
         plan = None
         limit = o["time_limit"]
         resolve_left = None if limit is None else _RESOLVE_SHARE * limit
+        # a given plan is for the training step at the spec's batch size (its graph)
+        given = None
+        if o.get("plan") is not None and apply_updates and batch == _first_dim(self.input_spec):
+            given = _adopt_plan(o["plan"], graph, budget)
         for attempt in range(_MAX_ATTEMPTS if o["verify"] else 1):
             this_limit = limit
             # until a step within the budget exists, meeting it matters more than the time and
@@ -449,9 +464,15 @@ class OptimizedStep:
                     break
                 this_limit = min(_RESOLVE_LIMIT * limit, resolve_left)
             ts = time.perf_counter()
-            # each attempt its own seed: a heuristic that found nothing once may the next time
-            plan = solve_isolated(graph, solve_budget, o["strategy"],
-                                  time_limit=this_limit, verbose=verbose, seed=attempt)
+            if attempt == 0 and given is not None:
+                plan = given
+            else:
+                # each attempt its own seed: a heuristic that found nothing once may next time
+                plan = solve_isolated(graph, solve_budget, o["strategy"],
+                                      time_limit=this_limit, verbose=verbose, seed=attempt)
+                # what a later optimize(plan=...) checks the plan against
+                plan = dataclasses.replace(plan, info={**plan.info, "plan_source": "solved",
+                                                       "graph_digest": graph.structure_digest})
             solve_s = time.perf_counter() - ts
             if attempt and limit is not None:
                 resolve_left -= solve_s
@@ -750,6 +771,47 @@ def _solve_main():  # pragma: no cover (runs in the child process)
 
 
 # --------------------------------------------------------------------- helpers
+def _given_plan(plan):
+    """``optimize``'s ``plan=``: None, a Plan, or a path to one."""
+    from tf_remat.plan import Plan
+
+    if plan is None or isinstance(plan, Plan):
+        return plan
+    if isinstance(plan, (str, os.PathLike)):
+        return Plan.load(plan)
+    raise TypeError(f"plan must be a tf_remat.Plan or the path of a saved one, got "
+                    f"{type(plan).__name__}")
+
+
+def _adopt_plan(given, graph, budget):
+    """The given plan re-simulated on this graph, after checking it was made for it."""
+    from tf_remat.errors import PlanError
+    from tf_remat.plan import simulate
+
+    digest = given.info.get("graph_digest")
+    what = (f"plan for {given.graph!r} does not fit this model's step ({graph.name!r}, "
+            f"{graph.n} nodes)")
+    fix = ("pass a plan saved from tf_remat.optimize of this model, loss and optimizer at "
+           "this batch size, or drop plan= to solve")
+    if digest is not None and digest != graph.structure_digest:
+        raise PlanError(f"{what}: it was made for a graph with other nodes, memory or edges; "
+                        f"{fix}")
+    if not given.steps:
+        raise PlanError(f"the given plan for {given.graph!r} has no steps; {fix}")
+    try:
+        sim = simulate(graph, given.steps)
+    except PlanError as exc:
+        raise PlanError(f"{what}: {exc}; {fix}") from None
+    if sim.peak_memory > budget:
+        raise PlanError(f"the given plan peaks at {format_bytes(sim.peak_memory)} on this step, "
+                        f"over the budget {format_bytes(budget)}: raise the budget or drop "
+                        f"plan= to solve")
+    return dataclasses.replace(
+        given, budget=int(budget), peak_memory=sim.peak_memory, cost=sim.cost,
+        total_cost=graph.total_cost, solve_seconds=0.0,
+        info={**given.info, "plan_source": "given", "graph_digest": graph.structure_digest})
+
+
 #: what ``strategy="auto"`` falls back to while the ``auto`` strategy is not in this build
 _AUTO_FALLBACK = "moccasin"
 

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import os
+import shutil
+import tempfile
 import time
 
 from tf_remat._units import format_bytes
@@ -59,7 +62,8 @@ def _plain_step(model, loss_fn, optimizer):
     return step
 
 
-def _probe(build, batch, budget, *, remat, strategy, time_limit, verbose, cost_model):
+def _probe(build, batch, budget, *, remat, strategy, time_limit, verbose, cost_model,
+           save_plan=None):
     """Measured step peak at this batch (plain or rewritten), or None when no plan fits; and
     whether the rewritten step sits at the budget's edge (see below).
 
@@ -91,6 +95,8 @@ def _probe(build, batch, budget, *, remat, strategy, time_limit, verbose, cost_m
                 print(f"  batch {batch}: {exc}")
             return None, time.perf_counter() - t0, False
         peak = step.measure(x, y)["step_peak_bytes"]
+        if save_plan:
+            step.plan.save(save_plan)
         # a size counts as fitting only when its step stayed within optimize's margin in every
         # layout it was verified in: a step that optimize kept only because nothing got
         # within the margin sits at the budget's edge, and another process's allocator
@@ -120,7 +126,8 @@ build = load_builder(a["model"], a["module"], input_size=a["input_size"],
                      num_classes=a["num_classes"])
 peak, secs, edge = _probe(build, a["batch"], a["budget"], remat=a["remat"],
                           strategy=a["strategy"], time_limit=a["time_limit"],
-                          verbose=a["verbose"], cost_model=a["cost_model"])
+                          verbose=a["verbose"], cost_model=a["cost_model"],
+                          save_plan=a.get("save_plan"))
 print("tf-remat-probe " + json.dumps([peak, secs, edge]), flush=True)
 """
 
@@ -171,7 +178,7 @@ def max_batch_size(build, budget_gb: float | None = None, *, budget_bytes: int |
                    strategy: str = "auto", time_limit: float = 30.0, start: int = 1,
                    max_batch: int = 4096, cost_model: str = "flops",
                    verbose: int = 1, isolate: bool | None = None,
-                   confirm: int = 2) -> MaxBatchResult:
+                   confirm: int = 2, save_plan: str | None = None) -> MaxBatchResult:
     """Largest batch sizes that train within the budget, plain and with rematerialization.
 
     Args:
@@ -193,6 +200,10 @@ def max_batch_size(build, budget_gb: float | None = None, *, budget_bytes: int |
             not give the same plan twice, and near the largest size whether a plan fits is
             decided by which allocator chunks its tensors meet: one lucky plan is not a size a
             user's own ``optimize`` call can count on. 0: the search's probe alone.
+        save_plan: write the plan of the last probe that fitted at the reported
+            rematerialized size here (JSON), for ``optimize(..., plan=)`` or ``train.py
+            --plan``: that plan measured within the budget, and measures the same again.
+            Nothing is written when rematerialization found no size above the plain one.
 
     Returns:
         :class:`MaxBatchResult`; both sizes were confirmed by a measured run within budget (a
@@ -223,16 +234,21 @@ def max_batch_size(build, budget_gb: float | None = None, *, budget_bytes: int |
         raise ValueError("isolate=True needs a build from tf_remat.training.load_builder (a zoo "
                          "name or 'file.py:function') that a fresh process can load")
 
+    plans_dir = tempfile.mkdtemp(prefix="tf_remat_max_batch_") if save_plan else None
+
     def fits(batch, remat, check=False):
         kw = dict(remat=remat, strategy=strategy, time_limit=time_limit, verbose=verbose,
                   cost_model=cost_model)
+        if plans_dir and remat:
+            kw["save_plan"] = os.path.join(plans_dir, f"probe{len(probes)}.json")
         if isolate:
             peak, secs, edge = _probe_isolated(spec, batch, budget, **kw)
         else:
             peak, secs, edge = _probe(build, batch, budget, **kw)
         ok = peak is not None and peak <= budget and not edge
         probes.append({"batch": batch, "remat": remat, "peak_bytes": peak, "fits": ok,
-                       "at_edge": edge, "confirm": check, "seconds": round(secs, 2)})
+                       "at_edge": edge, "confirm": check, "seconds": round(secs, 2),
+                       "plan_file": kw.get("save_plan")})
         status = "fits" if ok else "at the budget's edge" if edge else "over"
         progress.update(f"{'remat' if remat else 'plain'} batch {batch}"
                         f"{' (confirm)' if check else ''}: "
@@ -245,6 +261,19 @@ def max_batch_size(build, budget_gb: float | None = None, *, budget_bytes: int |
     remat = _confirmed(lambda b: fits(b, True, check=True), remat, plain, confirm)
     remat = max(remat, plain)
     progress.close()
+    if plans_dir:
+        fitted = [p["plan_file"] for p in probes if p["remat"] and p["fits"]
+                  and p["batch"] == remat and p["plan_file"] and os.path.exists(p["plan_file"])]
+        if fitted:
+            shutil.copyfile(fitted[-1], save_plan)
+            if verbose:
+                print(f"wrote the plan for batch {remat} to {save_plan}")
+        elif verbose:
+            print(f"no plan written: rematerialization found no size above the plain "
+                  f"{plain}")
+        shutil.rmtree(plans_dir, ignore_errors=True)
+        for p in probes:
+            p.pop("plan_file", None)
     result = MaxBatchResult(plain, remat, budget, probes)
     if verbose:
         ratio = f"{result.ratio:.2f}x" if result.ratio else "n/a"

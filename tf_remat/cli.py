@@ -170,7 +170,8 @@ def cmd_max_batch(args) -> int:
     result = max_batch_size(build, budget_gb=args.budget_gb, strategy=args.strategy,
                             time_limit=args.time_limit, start=args.start,
                             max_batch=args.max, cost_model=args.cost_model,
-                            verbose=0 if args.json else 1, confirm=args.confirm)
+                            verbose=0 if args.json else 1, confirm=args.confirm,
+                            save_plan=args.save_plan)
     if args.json:
         print(json.dumps(result.to_dict()))
     return 0
@@ -309,6 +310,9 @@ def _build_parser() -> argparse.ArgumentParser:
     s.add_argument("--confirm", type=int, default=2,
                    help="more solves the rematerialized size must pass before it is "
                         "reported (default 2; a failure steps down one size)")
+    s.add_argument("--save-plan", default=None,
+                   help="write the plan that fitted at the reported rematerialized size "
+                        "(JSON), for optimize(plan=...) or train.py --plan")
     s.add_argument("--json", action="store_true",
                    help='one line {"plain_batch", "remat_batch", "budget_bytes"}')
     s.set_defaults(func=cmd_max_batch)

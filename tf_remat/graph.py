@@ -177,6 +177,18 @@ class Graph:
         return simulate(self, steps_from_sequence(self, self.order)).peak_memory
 
     @cached_property
+    def structure_digest(self) -> str:
+        """A short hash of what a plan's validity and memory depend on: the nodes' memory, the
+        edges, the order, the outputs, what may be recomputed and the fixed memory. Not costs
+        or names: a profile and Keras's layer names differ between runs of the same model."""
+        import hashlib
+
+        parts = (self.memory, tuple(sorted(self.edges)), self.order, tuple(self.outputs),
+                 tuple(bool(r) for r in self.recomputable),
+                 self.fixed_memory)
+        return hashlib.sha1(repr(parts).encode()).hexdigest()[:16]
+
+    @cached_property
     def budget_lower_bound(self) -> int:
         """No plan of any order can peak below this many bytes.
 

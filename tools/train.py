@@ -34,6 +34,10 @@ def main(argv=None):
     p.add_argument("--data", default=None,
                    help="path/to/file.py:function returning a tf.data.Dataset of (x, y) "
                         "(default: fixed synthetic data)")
+    p.add_argument("--plan", default=None,
+                   help="plan JSON to run instead of a first solve (from --save-plan or "
+                        "step.plan.save): the same plan measures the same in every run")
+    p.add_argument("--save-plan", default=None, help="write the plan that ran here (JSON)")
     p.add_argument("--log", default=None, help="CSV file, one row per epoch")
     p.add_argument("--verbose", type=int, default=1)
     args = p.parse_args(argv)
@@ -48,7 +52,8 @@ def main(argv=None):
                               budget_gb=args.budget_gb, remat=not args.no_remat,
                               strategy=args.strategy, time_limit=args.time_limit,
                               batches_per_epoch=args.batches_per_epoch, log=args.log,
-                              verbose=args.verbose, dataset=dataset)
+                              verbose=args.verbose, dataset=dataset, plan=args.plan,
+                              save_plan=args.save_plan)
     except (RematError, ValueError, FileNotFoundError) as exc:
         print(f"train.py: error: {exc}", file=sys.stderr)
         return 2
