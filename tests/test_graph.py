@@ -56,6 +56,23 @@ def test_cycle_message_names_every_node_of_a_longer_cycle():
     assert "1 (b) -> 2 (c) -> 3 (d) -> 1 (b)" in str(exc.value)
 
 
+def test_structure_digest_ignores_costs_and_names_not_structure(tmp_path):
+    import dataclasses
+
+    g = random_dag(30, seed=1)
+    g.save(tmp_path / "g.json")
+    assert Graph.load(tmp_path / "g.json").structure_digest == g.structure_digest
+    # a profile or other layer names: the same plans fit, with the same memory
+    same = dataclasses.replace(g, cost=tuple(2 * c + 1 for c in g.cost), names=None, name="x")
+    assert same.structure_digest == g.structure_digest
+    shuffled = dataclasses.replace(g, edges=tuple(reversed(g.edges)))
+    assert shuffled.structure_digest == g.structure_digest
+    for change in (dict(memory=(g.memory[0] + 1,) + g.memory[1:]),
+                   dict(edges=g.edges[1:]),
+                   dict(fixed_memory=g.fixed_memory + 1)):
+        assert dataclasses.replace(g, **change).structure_digest != g.structure_digest, change
+
+
 def test_load_errors(tmp_path):
     with pytest.raises(GraphError, match="does not exist"):
         Graph.load(tmp_path / "missing.json")
