@@ -235,6 +235,7 @@ def max_batch_size(build, budget_gb: float | None = None, *, budget_bytes: int |
                          "name or 'file.py:function') that a fresh process can load")
 
     plans_dir = tempfile.mkdtemp(prefix="tf_remat_max_batch_") if save_plan else None
+    fitted = {}  # batch -> the plan file of the last remat probe that fitted at it
 
     def fits(batch, remat, check=False):
         kw = dict(remat=remat, strategy=strategy, time_limit=time_limit, verbose=verbose,
@@ -247,8 +248,9 @@ def max_batch_size(build, budget_gb: float | None = None, *, budget_bytes: int |
             peak, secs, edge = _probe(build, batch, budget, **kw)
         ok = peak is not None and peak <= budget and not edge
         probes.append({"batch": batch, "remat": remat, "peak_bytes": peak, "fits": ok,
-                       "at_edge": edge, "confirm": check, "seconds": round(secs, 2),
-                       "plan_file": kw.get("save_plan")})
+                       "at_edge": edge, "confirm": check, "seconds": round(secs, 2)})
+        if ok and kw.get("save_plan"):
+            fitted[batch] = kw["save_plan"]
         status = "fits" if ok else "at the budget's edge" if edge else "over"
         progress.update(f"{'remat' if remat else 'plain'} batch {batch}"
                         f"{' (confirm)' if check else ''}: "
@@ -262,18 +264,14 @@ def max_batch_size(build, budget_gb: float | None = None, *, budget_bytes: int |
     remat = max(remat, plain)
     progress.close()
     if plans_dir:
-        fitted = [p["plan_file"] for p in probes if p["remat"] and p["fits"]
-                  and p["batch"] == remat and p["plan_file"] and os.path.exists(p["plan_file"])]
-        if fitted:
-            shutil.copyfile(fitted[-1], save_plan)
+        if remat in fitted:
+            shutil.copyfile(fitted[remat], save_plan)
             if verbose:
                 print(f"wrote the plan for batch {remat} to {save_plan}")
         elif verbose:
             print(f"no plan written: rematerialization found no size above the plain "
                   f"{plain}")
         shutil.rmtree(plans_dir, ignore_errors=True)
-        for p in probes:
-            p.pop("plan_file", None)
     result = MaxBatchResult(plain, remat, budget, probes)
     if verbose:
         ratio = f"{result.ratio:.2f}x" if result.ratio else "n/a"

@@ -115,7 +115,10 @@ SIDE_EFFECT_OPS = frozenset({
     "Print", "PrintV2", "WriteScalarSummary", "WriteSummary", "WriteHistogramSummary",
     "DestroyResourceOp", "AnonymousSeedGenerator",
 })
-_SIDE_EFFECT_RE = re.compile(r"^(ResourceApply|ResourceSparseApply|ResourceScatter|Assign|"
+#: ops that write a resource variable
+_VARIABLE_UPDATE = r"ResourceApply|ResourceSparseApply|ResourceScatter|Assign"
+_VARIABLE_UPDATE_RE = re.compile(rf"^({_VARIABLE_UPDATE})")
+_SIDE_EFFECT_RE = re.compile(rf"^({_VARIABLE_UPDATE}|"
                              r"TensorArrayWrite|TensorArrayScatter|Stack(Push|Pop))")
 #: random-number ops (their outputs are per-step values, so they are node ops)
 _RANDOM_RE = re.compile(r"(Random|Multinomial|TruncatedNormal|Shuffle)")
@@ -640,7 +643,7 @@ def measure_workspace(traced: TracedStep, op_map: OpMap, *, x=None, y=None) -> l
     # went between runs of one model (an MLP's graph had 52, 53 or 54 nodes), and a plan saved
     # from one run did not fit the next. The measured check sees it when a plan's order makes it
     updates = {op.name for op in traced.function.graph.get_operations()
-               if _updates_variable(op.type)}
+               if _VARIABLE_UPDATE_RE.match(op.type)}
     live, held = {}, [0] * op_map.n
     for _, alloc, st in events:
         if alloc:
@@ -655,11 +658,6 @@ def measure_workspace(traced: TracedStep, op_map: OpMap, *, x=None, y=None) -> l
             v, b = live.pop(st.get("addr"))
             held[v] -= b
     return [b if b >= _MIN_WORKSPACE else 0 for b in ws]
-
-
-def _updates_variable(op_type: str) -> bool:
-    return (op_type in ("AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp")
-            or op_type.startswith(("ResourceApply", "ResourceSparseApply", "ResourceScatter")))
 
 
 def restore_variables(variables, values):
