@@ -225,14 +225,21 @@ def test_search_finds_the_largest_fitting_size_up_to_the_limit(largest, start, l
     assert len(tried) == len(set(tried)), tried  # no size measured twice
 
 
-@pytest.mark.parametrize("passes,times,expect", [
-    ({36: 2}, 2, 36),             # the found size passes both confirmations
-    ({36: 1, 35: 2}, 2, 35),      # its second fails: the next smaller size
-    ({36: 1, 35: 0, 34: 2}, 2, 34),
-    ({}, 2, 16),                  # nothing passes: the plain size, which needs no solve
-    ({36: 0}, 0, 36),             # confirm=0: the search's own probe decides
+@pytest.mark.parametrize("passes,times,expect,order", [
+    # the found size passes both confirmations
+    ({36: 2}, 2, 36, [36, 36]),
+    # its second fails: the next smaller size, with three probes of its own
+    ({36: 1, 35: 3}, 2, 35, [36, 36, 35, 35, 35]),
+    # gallop 35, 34, 32 (fails each), 28 passes; bisect 30 (passes) and 31 (fails)
+    ({28: 3, 30: 3}, 2, 30, [36, 35, 34, 32, 28, 28, 28, 30, 30, 30, 31]),
+    # a size that passed the search's probe needs only the confirmations
+    ({28: 2}, 2, 28, [36, 35, 34, 32, 28, 28, 30, 29]),
+    # nothing passes: the plain size, which needs no solve
+    ({}, 2, 16, [36, 35, 34, 32, 28, 20, 18, 17]),
+    # confirm=0: the search's own probe decides
+    ({36: 0}, 0, 36, []),
 ])
-def test_confirmation_steps_down_until_a_size_passes_every_solve(passes, times, expect):
+def test_confirmation_gallops_down_then_bisects(passes, times, expect, order):
     from tf_remat.batch import _confirmed
 
     left, tried = dict(passes), []
@@ -242,10 +249,16 @@ def test_confirmation_steps_down_until_a_size_passes_every_solve(passes, times, 
         left[b] = left.get(b, 0) - 1
         return left[b] >= 0
 
-    assert _confirmed(fits, 36, 16, times) == expect
+    searched = {28} if expect == 28 else ()
+    assert _confirmed(fits, 36, 16, times, searched) == expect
+    assert tried == order
     assert all(b > 16 for b in tried)  # the plain size is never solved again
-    # a size's trials stop at its first failure
-    assert all(tried.count(b) <= times for b in set(tried)), tried
+
+
+def test_confirmation_of_a_size_at_the_floor_solves_nothing():
+    from tf_remat.batch import _confirmed
+
+    assert _confirmed(lambda b: pytest.fail("solved"), 16, 16, 2) == 16
 
 
 def test_max_batch_rejects_negative_confirm():

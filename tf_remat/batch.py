@@ -196,7 +196,8 @@ def max_batch_size(build, budget_gb: float | None = None, *, budget_bytes: int |
             command line gives), which a fresh process can load again; the default is True for
             such a ``build`` and False for any other callable, whose probes share this process.
         confirm: probes the rematerialized size must also pass, each solving anew, before it
-            is reported; a size that fails one is dropped for the next smaller. The solver does
+            is reported; a size that fails one is dropped, and smaller sizes are tried (1, 2,
+            4, ... below it, then bisected), each passing ``1 + confirm`` solves. The solver does
             not give the same plan twice, and near the largest size whether a plan fits is
             decided by which allocator chunks its tensors meet: one lucky plan is not a size a
             user's own ``optimize`` call can count on. 0: the search's probe alone.
@@ -260,7 +261,8 @@ def max_batch_size(build, budget_gb: float | None = None, *, budget_bytes: int |
 
     plain = _search(lambda b: fits(b, False), start, max_batch)
     remat = _search(lambda b: fits(b, True), max(start, plain or start), max_batch)
-    remat = _confirmed(lambda b: fits(b, True, check=True), remat, plain, confirm)
+    searched = {p["batch"] for p in probes if p["remat"] and p["fits"]}
+    remat = _confirmed(lambda b: fits(b, True, check=True), remat, plain, confirm, searched)
     remat = max(remat, plain)
     progress.close()
     if plans_dir:
@@ -280,15 +282,40 @@ def max_batch_size(build, budget_gb: float | None = None, *, budget_bytes: int |
     return result
 
 
-def _confirmed(fits, found, floor, times) -> int:
-    """Largest b in (floor, found] that passes ``times`` more probes, stepping down by one
-    from ``found``; else ``floor``. A probe that fails ends its size's trials."""
-    b = found
-    while b > floor:
-        if all(fits(b) for _ in range(times)):
-            return b
-        b -= 1
-    return floor
+def _confirmed(fits, found, floor, times, passed=()) -> int:
+    """Largest b in (floor, found] whose probes all pass; else ``floor``.
+
+    ``found`` (and every size in ``passed``) already passed the search's probe, so it needs
+    ``times`` more; any other size needs ``1 + times``, so every reported size passed the same
+    number of solves. A size's trials stop at its first failure. After ``found`` fails, the
+    sizes tried gallop down (1, 2, 4, ... below it) to the first that passes, then bisect
+    between it and the smallest that failed: a failure is a full ``optimize`` that solves up to
+    six times, and stepping down one size per failure cost the transformer more than 20 min.
+    The floor (the plain size) needs no solve.
+    """
+    passed = set(passed) | {found}
+
+    def ok(b):
+        return all(fits(b) for _ in range(times if b in passed else 1 + times))
+
+    if found <= floor:
+        return floor
+    if ok(found):
+        return found
+    bad, step, good = found, 1, floor
+    while found - step > floor:
+        if ok(found - step):
+            good = found - step
+            break
+        bad = found - step
+        step *= 2
+    while bad - good > 1:
+        mid = (good + bad) // 2
+        if ok(mid):
+            good = mid
+        else:
+            bad = mid
+    return good
 
 
 def _search(fits, start, limit) -> int:

@@ -309,7 +309,8 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="op costs for the solver (flops: no profiling at every size)")
     s.add_argument("--confirm", type=int, default=2,
                    help="more solves the rematerialized size must pass before it is "
-                        "reported (default 2; a failure steps down one size)")
+                        "reported (default 2; after a failure, smaller sizes are "
+                        "tried 1, 2, 4, ... below it, then bisected)")
     s.add_argument("--save-plan", default=None,
                    help="write the plan that fitted at the reported rematerialized size "
                         "(JSON), for optimize(plan=...) or train.py --plan")
