@@ -55,6 +55,7 @@ r = max_batch_size(build, budget_bytes=ref, strategy=strategy, time_limit=limit,
                    max_batch=top, verbose=0)
 print(json.dumps({"model": name, "input": size, "b0": b0, "budget": ref,
                   "plain": r.plain_batch, "remat": r.remat_batch, "probes": len(r.probes),
+                  "trail": [[p["batch"], p["remat"], p["fits"], p["confirm"]] for p in r.probes],
                   "seconds": time.perf_counter() - t, "device": memory_device()}))
 """
 
@@ -121,6 +122,16 @@ def _line(r):
             f"remat {r['remat']} ({ratio:.2f}x), {r['probes']} probes, {r['seconds']:.0f} s")
 
 
+def _trail(trail):
+    def one(t):
+        batch, remat, fits, confirm = t
+        return f"{batch}{'c' if confirm else ''}{'+' if fits else '-'}"
+
+    plain = " ".join(one(t) for t in trail if not t[1])
+    remat = " ".join(one(t) for t in trail if t[1])
+    return f"plain {plain}; remat {remat}"
+
+
 def _markdown(rows, args):
     out = ["# Largest batch within a memory budget: plain step vs rematerialized", "",
            f"`python tools/bench_max_batch.py --strategy {args.strategy} --time-limit "
@@ -143,6 +154,11 @@ def _markdown(rows, args):
                    f"{r['seconds']:.0f} |")
     devices = {r["device"] for r in rows if "device" in r} or {"?"}
     out += ["", "Device: " + ", ".join(sorted(devices)) + ".", ""]
+    trails = [r for r in rows if r.get("trail")]
+    if trails:
+        out += ["Probes in order (+ fits, - does not; c: a confirmation):", ""]
+        out += [f"* {r['model']}: {_trail(r['trail'])}" for r in trails]
+        out.append("")
     return "\n".join(out)
 
 
