@@ -298,10 +298,61 @@ def grouped(batch=16, hw=64):
     return model, tf.TensorSpec((batch, hw, hw, 3)), tf.TensorSpec((batch, hw, hw), tf.int32)
 
 
+def regnet(batch=32, hw=32):
+    """Post-activation ResNet with L2 kernel regularizers (the loss adds ``model.losses``),
+    SpatialDropout2D, strided 1x1 projections, ReLU6, GlobalMaxPooling, softmax outputs and SGD
+    with Nesterov momentum."""
+    import keras
+    import tensorflow as tf
+
+    reg = keras.regularizers.L2(1e-4)
+    inp = keras.Input((hw, hw, 3))
+    h = keras.layers.Conv2D(32, 3, padding="same", use_bias=False, kernel_regularizer=reg)(inp)
+    h = keras.layers.Activation("relu6")(keras.layers.BatchNormalization(momentum=0.9)(h))
+    for width, stride in ((32, 1), (64, 2), (64, 1), (96, 2)):
+        r = keras.layers.Conv2D(width, 3, strides=stride, padding="same", use_bias=False,
+                                kernel_regularizer=reg)(h)
+        r = keras.layers.ReLU()(keras.layers.BatchNormalization()(r))
+        r = keras.layers.SpatialDropout2D(0.1)(r)
+        r = keras.layers.Conv2D(width, 3, padding="same", use_bias=False)(r)
+        r = keras.layers.BatchNormalization()(r)
+        s = h
+        if stride != 1 or h.shape[-1] != width:
+            s = keras.layers.Conv2D(width, 1, strides=stride, use_bias=False)(h)
+            s = keras.layers.BatchNormalization()(s)
+        h = keras.layers.ReLU()(keras.layers.Add()([r, s]))
+    h = keras.layers.Dropout(0.3)(keras.layers.GlobalMaxPooling2D()(h))
+    out = keras.layers.Dense(10, activation="softmax", kernel_regularizer=reg)(h)
+    model = keras.Model(inp, out, name="regnet")
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(),
+                  optimizer=keras.optimizers.SGD(0.01, momentum=0.9, nesterov=True))
+    return model, tf.TensorSpec((batch, hw, hw, 3)), tf.TensorSpec((batch,), tf.int32)
+
+
+def resmlp(batch=1024, features=256, width=512, depth=4):
+    """Pre-norm residual MLP: LayerNorm, GELU, Dropout inside each block, BatchNorm before the
+    head, AdamW with weight decay."""
+    import keras
+    import tensorflow as tf
+
+    inp = keras.Input((features,))
+    h = keras.layers.Dense(width, activation="gelu")(inp)
+    for _ in range(depth):
+        r = keras.layers.LayerNormalization()(h)
+        r = keras.layers.Dense(2 * width, activation="gelu")(r)
+        r = keras.layers.Dropout(0.2)(r)
+        h = keras.layers.Add()([h, keras.layers.Dense(width)(r)])
+    out = keras.layers.Dense(10)(keras.layers.BatchNormalization()(h))
+    model = keras.Model(inp, out, name="resmlp")
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  optimizer=keras.optimizers.AdamW(1e-3, weight_decay=0.01))
+    return model, tf.TensorSpec((batch, features)), tf.TensorSpec((batch,), tf.int32)
+
+
 MODELS = {"resdrop": resdrop, "unet_bn": unet_bn, "densenet": densenet,
           "efficientnet": efficientnet, "mixer": mixer, "decoder_gn": decoder_gn,
           "noisy": noisy, "bilstm": bilstm, "xception": xception, "tcn": tcn,
-          "grouped": grouped}
+          "grouped": grouped, "regnet": regnet, "resmlp": resmlp}
 
 
 # --------------------------------------------------------------------- one case
