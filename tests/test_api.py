@@ -505,3 +505,48 @@ def test_mixed_precision_dict_model_recomputes_exactly():
         step.detach()
     finally:
         keras.mixed_precision.set_global_policy(old)
+
+
+def test_regularizers_and_nesterov_momentum_train_as_keras_does():
+    """Kernel regularizers (the loss adds ``model.losses``) and SGD with Nesterov momentum:
+    after two steps from the same state, a recomputing step's losses and weights equal those of
+    Keras's own ``train_on_batch`` (no dropout, so both see the same function). A step that
+    left out the penalties would miss their gradient in every regularized kernel."""
+    from tf_remat.extract import extract
+
+    keras.utils.set_random_seed(11)
+    reg = keras.regularizers.L2(1e-2)
+    inp = keras.Input((16, 16, 3))
+    h = keras.layers.Conv2D(16, 3, padding="same", use_bias=False, kernel_regularizer=reg)(inp)
+    h = keras.layers.ReLU()(keras.layers.BatchNormalization()(h))
+    for _ in range(3):
+        r = keras.layers.Conv2D(16, 3, padding="same", activation="relu",
+                                kernel_regularizer=reg)(h)
+        h = keras.layers.Add()([h, keras.layers.BatchNormalization()(r)])
+    h = keras.layers.GlobalMaxPooling2D()(h)
+    out = keras.layers.Dense(10, activation="softmax", kernel_regularizer=reg)(h)
+    model = keras.Model(inp, out)
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(),
+                  optimizer=keras.optimizers.SGD(0.1, momentum=0.9, nesterov=True))
+    model.optimizer.build(model.trainable_variables)
+    xs, ys = tf.TensorSpec((32, 16, 16, 3)), tf.TensorSpec((32,), tf.int32)
+    g = extract(model, input_spec=xs, label_spec=ys, cost_model="flops", verbose=0).graph
+    step = tf_remat.optimize(model, budget_bytes=(g.budget_lower_bound + g.no_remat_peak) // 2,
+                             input_spec=xs, label_spec=ys, verify=False, attach=False, **FAST)
+    assert step.report["recomputed_nodes"] > 0
+    x, y = (tf.constant(a) for a in data(xs, ys, seed=4))
+    penalty = float(tf.add_n(model.losses))
+    snap = Snapshot(list(model.variables) + list(model.optimizer.variables))
+    try:
+        keras_loss = [float(model.train_on_batch(x, y)) for _ in range(2)]
+        w1 = snap.now()
+        snap.restore()
+        ours = [float(step(x, y)) for _ in range(2)]
+        w2 = snap.now()
+    finally:
+        snap.restore()
+    # the penalties are a visible part of the loss: leaving them out would fail the comparison
+    assert penalty > 1e-2 * keras_loss[0]
+    assert np.allclose(ours, keras_loss, rtol=1e-5), (ours, keras_loss)
+    for a, b in zip(w1, w2):
+        assert close(a, b, max(1.0, float(np.abs(a).max()))), np.abs(a - b).max()
