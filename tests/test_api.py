@@ -507,11 +507,13 @@ def test_mixed_precision_dict_model_recomputes_exactly():
         keras.mixed_precision.set_global_policy(old)
 
 
-def test_regularizers_and_nesterov_momentum_train_as_keras_does():
+@pytest.mark.parametrize("explicit_loss", [False, True])
+def test_regularizers_and_nesterov_momentum_train_as_keras_does(explicit_loss):
     """Kernel regularizers (the loss adds ``model.losses``) and SGD with Nesterov momentum:
     after two steps from the same state, a recomputing step's losses and weights equal those of
     Keras's own ``train_on_batch`` (no dropout, so both see the same function). A step that
-    left out the penalties would miss their gradient in every regularized kernel."""
+    left out the penalties would miss their gradient in every regularized kernel. Both paths:
+    the compiled loss (``model.compute_loss``) and a loss given to ``optimize``."""
     from tf_remat.extract import extract
 
     keras.utils.set_random_seed(11)
@@ -532,7 +534,9 @@ def test_regularizers_and_nesterov_momentum_train_as_keras_does():
     xs, ys = tf.TensorSpec((32, 16, 16, 3)), tf.TensorSpec((32,), tf.int32)
     g = extract(model, input_spec=xs, label_spec=ys, cost_model="flops", verbose=0).graph
     step = tf_remat.optimize(model, budget_bytes=(g.budget_lower_bound + g.no_remat_peak) // 2,
-                             input_spec=xs, label_spec=ys, verify=False, attach=False, **FAST)
+                             input_spec=xs, label_spec=ys, verify=False, attach=False,
+                             loss=keras.losses.SparseCategoricalCrossentropy()
+                             if explicit_loss else None, **FAST)
     assert step.report["recomputed_nodes"] > 0
     x, y = (tf.constant(a) for a in data(xs, ys, seed=4))
     penalty = float(tf.add_n(model.losses))
