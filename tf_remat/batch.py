@@ -309,13 +309,18 @@ def _confirmed(fits, found, floor, times, passed=()) -> int:
             break
         bad = found - step
         step *= 2
-    while bad - good > 1:
-        mid = (good + bad) // 2
-        if ok(mid):
-            good = mid
+    return _bisect(ok, good, bad)
+
+
+def _bisect(fits, lo, hi) -> int:
+    """Largest b in [lo, hi) with fits(b), given that lo fits and hi does not."""
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
         else:
-            bad = mid
-    return good
+            hi = mid
+    return lo
 
 
 def _search(fits, start, limit) -> int:
@@ -339,10 +344,4 @@ def _search(fits, start, limit) -> int:
         return _search(fits, 1, min(start, limit) - 1)
     if hi is None:
         return lo
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if fits(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo
+    return _bisect(fits, lo, hi)
