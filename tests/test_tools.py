@@ -225,21 +225,19 @@ def test_search_finds_the_largest_fitting_size_up_to_the_limit(largest, start, l
     assert len(tried) == len(set(tried)), tried  # no size measured twice
 
 
-@pytest.mark.parametrize("passes,times,expect,order", [
+@pytest.mark.parametrize("passes,searched,expect,order", [
     # the found size passes both confirmations
-    ({36: 2}, 2, 36, [36, 36]),
+    ({36: 2}, (), 36, [36, 36]),
     # its second fails: the next smaller size, with three probes of its own
-    ({36: 1, 35: 3}, 2, 35, [36, 36, 35, 35, 35]),
+    ({36: 1, 35: 3}, (), 35, [36, 36, 35, 35, 35]),
     # gallop 35, 34, 32 (fails each), 28 passes; bisect 30 (passes) and 31 (fails)
-    ({28: 3, 30: 3}, 2, 30, [36, 35, 34, 32, 28, 28, 28, 30, 30, 30, 31]),
+    ({28: 3, 30: 3}, (), 30, [36, 35, 34, 32, 28, 28, 28, 30, 30, 30, 31]),
     # a size that passed the search's probe needs only the confirmations
-    ({28: 2}, 2, 28, [36, 35, 34, 32, 28, 28, 30, 29]),
+    ({28: 2}, {28}, 28, [36, 35, 34, 32, 28, 28, 30, 29]),
     # nothing passes: the plain size, which needs no solve
-    ({}, 2, 16, [36, 35, 34, 32, 28, 20, 18, 17]),
-    # confirm=0: the search's own probe decides
-    ({36: 0}, 0, 36, []),
+    ({}, (), 16, [36, 35, 34, 32, 28, 20, 18, 17]),
 ])
-def test_confirmation_gallops_down_then_bisects(passes, times, expect, order):
+def test_confirmation_gallops_down_then_bisects(passes, searched, expect, order):
     from tf_remat.batch import _confirmed
 
     left, tried = dict(passes), []
@@ -249,10 +247,15 @@ def test_confirmation_gallops_down_then_bisects(passes, times, expect, order):
         left[b] = left.get(b, 0) - 1
         return left[b] >= 0
 
-    searched = {28} if expect == 28 else ()
-    assert _confirmed(fits, 36, 16, times, searched) == expect
+    assert _confirmed(fits, 36, 16, 2, searched) == expect
     assert tried == order
     assert all(b > 16 for b in tried)  # the plain size is never solved again
+
+
+def test_confirm_zero_takes_the_search_probe_alone():
+    from tf_remat.batch import _confirmed
+
+    assert _confirmed(lambda b: pytest.fail("solved"), 36, 16, 0) == 36
 
 
 def test_confirmation_of_a_size_at_the_floor_solves_nothing():
