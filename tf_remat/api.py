@@ -425,6 +425,14 @@ class OptimizedStep:
         loops = ex.info.get("loops") or []
         if loops:
             self._warn_once("loops", f"tf-remat: {_loops_note(loops)}")
+        if getattr(self.model, "compiled", False) and \
+                getattr(self.model, "jit_compile", False) is True:
+            # XLA would reorder the plan's ops and merge its copies back into the originals
+            self._warn_once("xla", "tf-remat: the model was compiled with jit_compile=True (or "
+                                   "'auto' on a GPU); the rewritten step runs without XLA, so "
+                                   "random ops such as Dropout draw other values than Keras's "
+                                   "XLA-compiled step would (from the same distribution), and "
+                                   "other ops differ from it in float32 rounding")
         # the measured peak moves by a few percent from run to run: aim under the budget
         margin = verification_margin(budget, max(graph.memory, default=0))
         target = int(budget * (1 - margin))

@@ -342,8 +342,7 @@ def trace_training_step(model, input_spec, label_spec, *, loss=None, optimizer=N
 
     _check_spec(input_spec, "input_spec")
     _check_spec(label_spec, "label_spec")
-    if not model.built:
-        model.build(tf.nest.map_structure(lambda s: s.shape, input_spec))
+    _build_model(model, input_spec)
     loss_fn, compiled_loss = _resolve_loss(model, loss)
     if optimizer is None:
         optimizer = getattr(model, "optimizer", None)
@@ -799,6 +798,31 @@ def measure_step(traced: TracedStep, *, runs: int = 5, x=None, y=None) -> dict:
 
 
 # --------------------------------------------------------------------- helpers
+def _build_model(model, input_spec):
+    """Create every layer's variables, as ``model.fit`` does before its first step.
+
+    ``model.build(shape)`` alone leaves a subclassed model's layers without variables (Keras
+    marks the model built and warns), so the model is called symbolically on the spec, which
+    builds each layer as the call reaches it and allocates nothing for the batch."""
+    import keras
+    from keras.src import backend
+
+    layers = list(model._flatten_layers(include_self=True))
+    if all(layer.built for layer in layers):
+        return
+    import tensorflow as tf
+
+    symbolic = tf.nest.map_structure(lambda s: keras.KerasTensor(s.shape, s.dtype), input_spec)
+    try:
+        backend.compute_output_spec(model, symbolic, training=False)
+    except Exception as exc:  # noqa: BLE001
+        if model.trainable_variables:
+            return  # built enough to train; a layer the call never reaches stays unbuilt
+        raise UnsupportedOpError(
+            f"the model could not be built from input_spec ({type(exc).__name__}: {exc}); "
+            f"call it on one batch (model(x)) before optimize") from exc
+
+
 def _check_spec(spec, what):
     import tensorflow as tf
 
