@@ -816,6 +816,11 @@ def _build_model(model, input_spec):
     try:
         backend.compute_output_spec(model, symbolic, training=False)
     except Exception as exc:  # noqa: BLE001
+        if not model.built:  # a model whose own build() makes its variables
+            try:
+                model.build(tf.nest.map_structure(lambda s: s.shape, input_spec))
+            except Exception:  # noqa: BLE001
+                pass
         if model.trainable_variables:
             return  # built enough to train; a layer the call never reaches stays unbuilt
         raise UnsupportedOpError(

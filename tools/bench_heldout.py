@@ -349,10 +349,104 @@ def resmlp(batch=1024, features=256, width=512, depth=4):
     return model, tf.TensorSpec((batch, features)), tf.TensorSpec((batch,), tf.int32)
 
 
+def _subclassed_class():
+    """Defined on first use, so that importing this module needs no Keras."""
+    import keras
+
+    class ResSub(keras.Model):
+        """Residual blocks made in ``__init__`` and wired in ``call``, Dropout only in a
+        ``training`` branch, and no ``build`` method: nothing has variables until the model is
+        called (``optimize`` calls it symbolically on the spec)."""
+
+        def __init__(self, widths=(32, 32, 64, 64)):
+            super().__init__(name="res_sub")
+            self.stem = keras.layers.Conv2D(widths[0], 3, padding="same", use_bias=False)
+            self.stem_bn = keras.layers.BatchNormalization()
+            self.blocks = []
+            prev = widths[0]
+            for w in widths:
+                self.blocks.append(dict(
+                    c1=keras.layers.Conv2D(w, 3, padding="same", use_bias=False),
+                    b1=keras.layers.BatchNormalization(),
+                    c2=keras.layers.Conv2D(w, 3, padding="same", use_bias=False),
+                    b2=keras.layers.BatchNormalization(),
+                    proj=keras.layers.Conv2D(w, 1) if w != prev else None))
+                prev = w
+            self.drop = keras.layers.Dropout(0.2)
+            self.pool = keras.layers.GlobalAveragePooling2D()
+            self.head = keras.layers.Dense(10)
+
+        def call(self, x, training=False):
+            h = keras.ops.relu(self.stem_bn(self.stem(x), training=training))
+            for b in self.blocks:
+                r = keras.ops.relu(b["b1"](b["c1"](h), training=training))
+                r = b["b2"](b["c2"](r), training=training)
+                s = h if b["proj"] is None else b["proj"](h)
+                h = keras.ops.relu(r + s)
+            h = self.pool(h)
+            if training:
+                h = self.drop(h, training=training)
+            return self.head(h)
+
+    return ResSub
+
+
+def subclassed(batch=32, hw=32):
+    """A subclassed residual CNN, never built before ``optimize``; Adam with a cosine learning
+    rate schedule and global gradient-norm clipping."""
+    import keras
+    import tensorflow as tf
+
+    model = _subclassed_class()()
+    schedule = keras.optimizers.schedules.CosineDecay(1e-3, 1000, warmup_target=2e-3,
+                                                      warmup_steps=10)
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  optimizer=keras.optimizers.Adam(schedule, global_clipnorm=1.0),
+                  metrics=["accuracy"])
+    return model, tf.TensorSpec((batch, hw, hw, 3)), tf.TensorSpec((batch,), tf.int32)
+
+
+def augment(batch=32, hw=32):
+    """Augmentation inside the model (Normalization, RandomFlip, RandomRotation, RandomZoom,
+    RandomContrast: random ops in the training step), a nested backbone model whose first
+    block is frozen (its BatchNorm then runs in inference mode), an activity regularizer, and
+    AdamW keeping an exponential moving average of the weights."""
+    import keras
+    import tensorflow as tf
+
+    def block(h, width):
+        r = keras.layers.Conv2D(width, 3, padding="same")(h)
+        r = keras.layers.ReLU()(keras.layers.BatchNormalization()(r))
+        r = keras.layers.Dropout(0.1)(r)
+        r = keras.layers.Conv2D(width, 3, padding="same")(r)
+        s = h if h.shape[-1] == width else keras.layers.Conv2D(width, 1)(h)
+        return keras.layers.Add()([s, r])
+
+    bin_ = keras.Input((hw, hw, 3))
+    frozen = block(bin_, 32)
+    backbone = keras.Model(bin_, block(block(frozen, 32), 64), name="backbone")
+    for layer in backbone.layers[:7]:
+        layer.trainable = False
+    inp = keras.Input((hw, hw, 3))
+    h = keras.layers.Normalization(mean=0.5, variance=0.25)(inp)
+    for aug in (keras.layers.RandomFlip("horizontal"), keras.layers.RandomRotation(0.1),
+                keras.layers.RandomZoom(0.1), keras.layers.RandomContrast(0.2)):
+        h = aug(h)
+    h = block(backbone(h), 64)
+    h = keras.layers.Conv2D(64, 3, padding="same",
+                            activity_regularizer=keras.regularizers.L2(1e-5))(h)
+    h = keras.layers.GlobalAveragePooling2D()(h)
+    model = keras.Model(inp, keras.layers.Dense(10)(h), name="augment")
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  optimizer=keras.optimizers.AdamW(1e-3, use_ema=True), metrics=["accuracy"])
+    return model, tf.TensorSpec((batch, hw, hw, 3)), tf.TensorSpec((batch,), tf.int32)
+
+
 MODELS = {"resdrop": resdrop, "unet_bn": unet_bn, "densenet": densenet,
           "efficientnet": efficientnet, "mixer": mixer, "decoder_gn": decoder_gn,
           "noisy": noisy, "bilstm": bilstm, "xception": xception, "tcn": tcn,
-          "grouped": grouped, "regnet": regnet, "resmlp": resmlp}
+          "grouped": grouped, "regnet": regnet, "resmlp": resmlp,
+          "subclassed": subclassed, "augment": augment}
 
 
 # --------------------------------------------------------------------- one case
