@@ -239,6 +239,11 @@ def build_graph_def(traced, op_map, sequence, *, chain: str = "op", runs=None):
             c.input.extend(_dedup(ins))
 
     # --- node ops in plan order, chained
+    data_readers = {}         # op -> the ops of the traced step that read its outputs
+    for nd in src.node:
+        for r in nd.input:
+            if not r.startswith("^"):
+                data_readers.setdefault(parse(r)[0], []).append(nd.name)
     prev_tail = []            # chain: ops the next emitted ops must follow
     emitted = 0
     chain_edges = 0
@@ -274,7 +279,8 @@ def build_graph_def(traced, op_map, sequence, *, chain: str = "op", runs=None):
                         fed.add(o)
                         consumed.add(p)
             in_node_sets[v] = ([o for o in ops if o not in fed],
-                               [o for o in ops if o not in consumed])
+                               _chain_tails([o for o in ops if o not in consumed], members,
+                                            by_name, data_readers, parse))
         heads, tails = in_node_sets[v]
         partner = partners.get(v)
         if partner is None:
@@ -376,6 +382,35 @@ def _import(traced, gd, outputs, tails):
             return [tf.identity(t) for t in outs]
 
     return tf.compat.v1.wrap_function(body, signature=arg_specs)
+
+
+_ADDS = frozenset({"Add", "AddV2", "AddN"})
+
+
+def _chain_tails(tails, members, by_name, readers, parse):
+    """The ops of a node that the next node's ops follow: its last ops, except that an addition
+    read only by another addition is replaced by its own inputs in the node.
+
+    Grappler's arithmetic optimizer rewrites a tree of additions (a BatchNorm's ``x * scale +
+    shift`` feeding a residual ``+``) into one ``AddN`` of the full-size terms plus the
+    broadcast ones, but only when every inner addition has a single reader and no control
+    edge; the chain's edge from such a tail kept the rewritten step from that rewrite, and a
+    subclassed residual net then summed in another order than Keras's step (a ReLU turned
+    the rounding into gradients 1% apart in one layer). Its inputs finish no later, and the
+    addition itself still runs before the addition that reads it."""
+    out = []
+    for t in tails:
+        nd = by_name[t]
+        rd = readers.get(t, [])
+        if nd.op in _ADDS and len(rd) == 1 and by_name[rd[0]].op in _ADDS:
+            inner = [p for p in (parse(r)[0] for r in nd.input if not r.startswith("^"))
+                     if p in members]
+            if inner:
+                out.extend(p for p in inner if p not in out)
+                continue
+        if t not in out:
+            out.append(t)
+    return out
 
 
 def _marker(out, tail, markers, op_of):

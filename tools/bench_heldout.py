@@ -456,7 +456,10 @@ def _data(xs, ys, model, n=None, seed=0):
     rng = np.random.default_rng(seed)
     n = n or xs.shape[0]
     x = rng.standard_normal((n,) + tuple(xs.shape[1:])).astype("float32")
-    classes = int(model.outputs[0].shape[-1])
+    if hasattr(model, "outputs"):
+        classes = int(model.outputs[0].shape[-1])
+    else:  # a subclassed model, perhaps not built yet: its last Dense layer's width
+        classes = [la.units for la in model._flatten_layers() if hasattr(la, "units")][-1]
     y = rng.integers(0, classes, (n,) + tuple(ys.shape[1:])).astype("int32")
     return x, y
 
