@@ -71,6 +71,23 @@ def model_state(model):
     return [v.numpy().copy() for v in model.variables]
 
 
+def plain_and_step_gradients(model, xs, ys, step, x, y):
+    """The plain step's gradients and ``step.gradients`` on ``(x, y)`` from the same state (the
+    variables are restored after each)."""
+    from tf_remat.extract import trace_training_step
+
+    ref = trace_training_step(model, xs, ys, apply_updates=False)
+    snap = Snapshot(list({id(v): v for v in list(ref.variables) +
+                          list(step.rewritten.traced.variables)}.values()))
+    try:
+        g1 = [t.numpy() for t in ref.function(x, y)[1:]]
+        snap.restore()
+        g2 = [t.numpy() for t in step.gradients(x, y)]
+    finally:
+        snap.restore()
+    return g1, g2
+
+
 @pytest.mark.parametrize("builder, fraction", [(cnn, 0.7), (mlp, 0.9)])
 def test_optimized_step_trains_like_keras(builder, fraction):
     model, xs, ys = fresh(builder)
@@ -371,8 +388,6 @@ def test_heldout_style_model_through_the_public_api():
 def test_embedding_gradients_are_dense_and_aligned():
     """An embedding's gradient is IndexedSlices in Keras's step; step.gradients gives one dense
     tensor per trainable variable."""
-    from tf_remat.extract import trace_training_step
-
     keras.utils.set_random_seed(5)
     inp = keras.Input((12,), dtype="int32")
     h = keras.layers.Embedding(50, 16)(inp)
@@ -388,15 +403,7 @@ def test_embedding_gradients_are_dense_and_aligned():
     y = tf.constant(rng.integers(0, 10, (32,)), tf.int32)
     step = tf_remat.optimize(model, budget_gb=1.0, input_spec=xs, label_spec=ys, attach=False,
                              **FAST)
-    ref = trace_training_step(model, xs, ys, apply_updates=False)
-    snap = Snapshot(list({id(v): v for v in list(ref.variables) +
-                          list(step.rewritten.traced.variables)}.values()))
-    try:
-        g1 = [t.numpy() for t in ref.function(x, y)[1:]]
-        snap.restore()
-        g2 = [t.numpy() for t in step.gradients(x, y)]
-    finally:
-        snap.restore()
+    g1, g2 = plain_and_step_gradients(model, xs, ys, step, x, y)
     assert len(g1) == len(g2) == len(model.trainable_variables)
     scale = max(float(np.abs(g).max()) for g in g1)
     for a, b, v in zip(g1, g2, model.trainable_variables):
@@ -458,8 +465,6 @@ def test_unbuilt_subclassed_model_is_built_from_the_spec(user_built):
     ``model.build(shape)`` (here the user's call, before: ``optimize``'s own) marks such a
     model built with no variables in its layers, and optimize said there was nothing to
     train. The rewritten step's gradients are the plain step's."""
-    from tf_remat.extract import trace_training_step
-
     keras.utils.set_random_seed(5)
     model = SubclassedNet()
     model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -471,16 +476,8 @@ def test_unbuilt_subclassed_model_is_built_from_the_spec(user_built):
     step = tf_remat.optimize(model, budget_gb=1.0, input_spec=xs, label_spec=ys,
                              attach=False, verify=False, **FAST)
     assert len(model.trainable_variables) == 8
-    ref = trace_training_step(model, xs, ys, apply_updates=False)
     x, y = (tf.constant(a) for a in data(xs, ys, seed=1))
-    snap = Snapshot(list({id(v): v for v in list(ref.variables) +
-                          list(step.rewritten.traced.variables)}.values()))
-    try:
-        g1 = [t.numpy() for t in ref.function(x, y)[1:]]
-        snap.restore()
-        g2 = [t.numpy() for t in step.gradients(x, y)]
-    finally:
-        snap.restore()
+    g1, g2 = plain_and_step_gradients(model, xs, ys, step, x, y)
     scale = max(float(np.abs(g).max()) for g in g1)
     assert len(g2) == 8 and all(close(a, b, scale) for a, b in zip(g1, g2))
 
