@@ -115,8 +115,9 @@ def optimize(model, budget_gb: float | None = None, *, budget_bytes: int | None 
             solver does not give the same plan twice, and a plan measures the same in every
             fresh process, so reusing one that was verified repeats its peak. It is checked
             against the traced step (same nodes, memory and edges, else ``PlanError``) and
-            verified as a solved plan is; when it measures over the budget less the margin,
-            ``optimize`` solves as it would without it (``report["plan_source"]`` says which
+            verified as a solved plan is, but kept when it measures within the budget (a run
+            may have kept it as the best within the budget, not the margin); over the
+            budget, ``optimize`` solves as it would without it (``report["plan_source"]`` says which
             plan runs).
 
     Returns:
@@ -523,7 +524,9 @@ class OptimizedStep:
             m = measured["step_peak_bytes"]
             if best is None or m < best.measured["step_peak_bytes"]:
                 best = cand
-            if m <= target:
+            # a given plan was kept by a run that found it within the budget, perhaps not
+            # within the margin (the best there was): within the budget here, it runs again
+            if m <= target or (attempt == 0 and given is not None and m <= budget):
                 accepted = cand
                 break
             too_high = solve_budget if too_high is None else min(too_high, solve_budget)
