@@ -67,6 +67,14 @@ _MEASURE_BALLAST = (0.0, 0.6, 1.0)
 #: one freed, which leaves free chunks of odd sizes between the held ones
 _MEASURE_FRAGMENTS = (0.31, 0.07, 0.45, 0.12, 0.26, 0.05, 0.38, 0.19, 0.09, 0.48, 0.22, 0.15)
 
+#: timed rounds of the plain step against the static order (``time_order``), each round both
+#: steps in turn; fewer when they pass _ORDER_SECONDS (ResNet50 at batch 8 on 2 CPU cores takes
+#: 1.5 s a step). The static order's price is a few points on the zoo models and moves by about
+#: as much from run to run on a shared machine, so a handful of paired rounds is what it is worth
+_ORDER_ROUNDS = 5
+_ORDER_MIN_ROUNDS = 2
+_ORDER_SECONDS = 20.0
+
 
 def verification_margin(budget: int, largest: int) -> float:
     """The fraction of ``budget`` that ``optimize`` keeps free when it verifies a plan whose
@@ -85,7 +93,7 @@ def optimize(model, budget_gb: float | None = None, *, budget_bytes: int | None 
              input_spec, label_spec, loss=None, optimizer=None, strategy="auto",
              time_limit: float | None = 60.0, verbose: int = 1, cost_model: str = "profile",
              verify: bool = True, attach: bool = True, chain: str = "node",
-             plan=None) -> "OptimizedStep":
+             plan=None, time_order: bool = True) -> "OptimizedStep":
     """Rematerialize ``model``'s training step to fit ``budget_gb`` GiB of peak memory.
 
     Args:
@@ -119,6 +127,11 @@ def optimize(model, budget_gb: float | None = None, *, budget_bytes: int | None 
             may have kept it as the best within the budget, not the margin); over the
             budget, ``optimize`` solves as it would without it (``report["plan_source"]`` says which
             plan runs).
+        time_order: time the plain step against the graph run in a static order with nothing
+            recomputed (a few paired rounds, seconds at most): running any static order costs
+            time by itself, since TensorFlow no longer runs independent ops side by side, and
+            the solver's costs do not see it. ``report["predicted_overhead"]`` then counts it
+            with the recomputation (see :class:`OptimizedStep`).
 
     Returns:
         An :class:`OptimizedStep`: ``step(x, y)`` runs one training step (optimizer update
@@ -146,7 +159,8 @@ def optimize(model, budget_gb: float | None = None, *, budget_bytes: int | None 
     strategy = _resolve_strategy(strategy, verbose)
     given = _given_plan(plan)  # a missing or malformed file fails before any tracing
     opts = dict(loss=loss, optimizer=optimizer, strategy=strategy, time_limit=time_limit,
-                verbose=verbose, cost_model=cost_model, verify=verify, chain=chain, plan=given)
+                verbose=verbose, cost_model=cost_model, verify=verify, chain=chain, plan=given,
+                time_order=time_order)
     step = OptimizedStep(model, budget, input_spec, label_spec, opts)
     step._primary()  # extract, solve, rewrite, verify; raises before any change to the model
     if verbose:
@@ -177,6 +191,7 @@ class _Built:
     measured: dict | None
     attempts: list
     seconds: dict
+    order: dict | None = None  # the static order's timed price (_time_static_order)
 
 
 class OptimizedStep:
@@ -264,7 +279,15 @@ class OptimizedStep:
                "status": plan.status,
                "budget_bytes": self.budget_bytes, "predicted_peak_bytes": plan.peak_memory,
                "baseline_peak_bytes": graph.no_remat_peak,
-               "predicted_overhead": plan.overhead, "solve_seconds": plan.solve_seconds}
+               "predicted_overhead": plan.overhead, "solve_seconds": plan.solve_seconds,
+               "recompute_overhead": plan.overhead}
+        if b.order is not None and plan.overhead is not None:
+            s = b.order["static_order_overhead"]
+            rep["static_order_overhead"] = s
+            rep["predicted_overhead"] = (1 + s) * (1 + plan.overhead) - 1
+            rep["plain_step_seconds"] = b.order["plain_seconds"]
+            rep["predicted_step_seconds"] = b.order["plain_seconds"] * (1 + plan.overhead) * (1 + s)
+            rep["time_order_seconds"] = b.order.get("seconds")
         if b.measured is not None:
             rep["measured_peak_bytes"] = b.measured["step_peak_bytes"]
         rep["verified"] = b.measured is not None
@@ -285,7 +308,10 @@ class OptimizedStep:
                 f"predicted peak {format_bytes(r['predicted_peak_bytes'])}{meas} "
                 f"(no rematerialization {format_bytes(r['baseline_peak_bytes'])}), "
                 f"{r['recomputed_nodes']} of {r['nodes']} nodes recomputed, predicted overhead "
-                f"{100 * (r['predicted_overhead'] or 0):.1f}%")
+                f"{100 * (r['predicted_overhead'] or 0):.1f}%" + (
+                    f" (recomputation {100 * (r['recompute_overhead'] or 0):.1f}%, static order "
+                    f"{100 * r['static_order_overhead']:+.1f}%)"
+                    if "static_order_overhead" in r else ""))
 
     def measure(self, x=None, y=None, *, runs: int = 1) -> dict:
         """Run the step on ``(x, y)`` (synthetic when None) with the variables saved and restored;
@@ -572,6 +598,10 @@ class OptimizedStep:
                 + (f". {_loops_note(loops)}" if loops else ""),
                 budget=budget, min_feasible=m, plan=best.plan)
         best = accepted
+        if o.get("time_order") and apply_updates and batch == _first_dim(self.input_spec):
+            tt = time.perf_counter()
+            best.order = _time_static_order(ex, o["chain"], ispec, lspec)
+            best.order["seconds"] = time.perf_counter() - tt
         best.seconds = {"extract": t1 - t0, "rewrite": rewrite_s,
                         "total": time.perf_counter() - t0}
         best.attempts = attempts
@@ -665,6 +695,58 @@ def measure_step_peak(step, x, y, *, variables=(), runs: int = 1, warmup: int = 
     return {"device": device, "peak_bytes": peaks[k], "current_before": befores[k],
             "owned_bytes": int(owned), "step_peak_bytes": int(peaks[k] - befores[k] + owned),
             "seconds": float(np.median(times)), "layouts": layouts}
+
+
+def static_order_step(extraction, chain: str = "node"):
+    """The extracted graph rewritten with nothing recomputed, in topological order, chained as
+    ``chain``: what running the step in any static order costs by itself."""
+    from tf_remat.plan import make_plan
+    from tf_remat.rewrite import rewrite
+    from tf_remat.solvers.baselines import checkpoint_all
+
+    graph = extraction.graph
+    budget = 2**62  # checkpoint-all needs none; the plan only orders
+    plan = make_plan(graph, checkpoint_all(graph, budget), budget, strategy="checkpoint-all")
+    return rewrite(extraction.traced, graph, extraction.op_map, plan, chain=chain)
+
+
+def _time_static_order(ex, chain, ispec, lspec) -> dict:
+    """Median, over paired rounds, of the static-order step's time over the plain step's; the
+    variables are restored after every step. The pairs alternate which step runs first, so a
+    burst of load on a shared machine falls on both alike."""
+    import numpy as np
+
+    static = static_order_step(ex, chain)
+    plain = ex.traced.function
+    x, y = _synthetic_batch(ispec, lspec)
+    variables = ex.traced.variables
+    saved = [np.array(v.numpy(), copy=True) for v in variables]
+
+    def once(fn):
+        t = time.perf_counter()
+        _block(fn(x, y))
+        dt = time.perf_counter() - t
+        _restore(variables, saved)
+        return dt
+
+    try:
+        once(plain)
+        once(static)  # the first call builds and optimizes the graph
+        ratios, plains = [], []
+        t_end = time.perf_counter() + _ORDER_SECONDS
+        for r in range(_ORDER_ROUNDS):
+            if r >= _ORDER_MIN_ROUNDS and time.perf_counter() > t_end:
+                break
+            if r % 2:
+                ts, tp = once(static), once(plain)
+            else:
+                tp, ts = once(plain), once(static)
+            ratios.append(ts / tp)
+            plains.append(tp)
+    finally:
+        _restore(variables, saved)
+    return {"static_order_overhead": float(np.median(ratios)) - 1,
+            "plain_seconds": float(np.median(plains)), "rounds": len(ratios)}
 
 
 def step_allocations(step, x, y, *, variables=()) -> dict:

@@ -100,6 +100,10 @@ def run_case(name, batch, size, fractions, strategy, time_limit, runs, trace=Tru
                                         "baseline_peak_bytes", "predicted_overhead",
                                         "solve_seconds", "measured_peak_bytes", "attempts",
                                         "recomputed_nodes", "nodes")})
+        # what optimize predicted for each part (the measured ones are static_overhead and
+        # recompute_overhead below)
+        row["recompute_pred"] = rep.get("recompute_overhead")
+        row["static_pred"] = rep.get("static_order_overhead")
         state.restore()
         peaks = [measure_step_peak(step, x, y, variables=ref.variables)["step_peak_bytes"]
                  for _ in range(3)]
@@ -182,17 +186,12 @@ def _batch(xs, ys, model):
 
 
 def _static_order_step(step):
-    """The step's graph rewritten with no recomputation, in topological order, chained like
-    ``optimize``'s steps: what running a static order costs by itself."""
-    from tf_remat.plan import make_plan
-    from tf_remat.rewrite import rewrite
-    from tf_remat.solvers.baselines import checkpoint_all
+    """The step's graph with no recomputation in a static order, chained as ``optimize``
+    chains (what ``time_order`` times inside ``optimize``, built again here to time it
+    beside the other two steps)."""
+    from tf_remat.api import static_order_step
 
-    ex = step._primary().extraction
-    budget = 2**62
-    plan = make_plan(ex.graph, checkpoint_all(ex.graph, budget), budget,
-                     strategy="checkpoint-all")
-    return rewrite(ex.traced, ex.graph, ex.op_map, plan, chain=step._opts["chain"])
+    return static_order_step(step._primary().extraction, step._opts["chain"])
 
 
 def _kernel_seconds(fn, x, y, state, reps=3):
@@ -291,14 +290,14 @@ def _emit(row, name):
 # --------------------------------------------------------------------- report
 def table(results) -> str:
     lines = ["| model | batch | plain peak MiB | budget | budget MiB | status | simulated MiB | "
-             "measured MiB | meas/budget | meas vs sim | overhead pred | overhead meas | "
-             "diff (pts) | static order | recompute meas | copies' kernels | grad err | "
-             "attempts |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "measured MiB | meas/budget | meas vs sim | overhead pred | static + recompute "
+             "pred | overhead meas | diff (pts) | static meas | recompute meas | "
+             "copies' kernels | grad err | attempts |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for res in results:
         if "error" in res:
             lines.append(f"| {res['model']} | {res['batch']} | error: {res['error'][:120]} |"
-                         + " |" * 15)
+                         + " |" * 16)
             continue
         for r in res["rows"]:
             head = (f"| {res['model']} | {res['batch']} | {res['baseline_peak'] / MIB:.0f} | "
@@ -306,7 +305,7 @@ def table(results) -> str:
             if r.get("status") in ("infeasible", "error"):
                 extra = (f"smallest reachable {r['min_feasible'] / MIB:.0f} MiB"
                          if r.get("min_feasible") else r.get("message", "")[:80])
-                lines.append(f"{head} {r['status']} ({extra}) |" + " |" * 12)
+                lines.append(f"{head} {r['status']} ({extra}) |" + " |" * 13)
                 continue
             sim, meas = r["predicted_peak_bytes"], r["measured_peak"]
             within = r["measured_peak_max"] <= 1.05 * r["budget"]
@@ -314,11 +313,15 @@ def table(results) -> str:
             dpts = 100 * (r["measured_overhead"] - r["predicted_overhead"])
             share = r.get("copy_kernel_share")
             grad = r.get("grad_err")
+            st, rc = r.get("static_pred"), r.get("recompute_pred")
+            parts = ("n/a" if st is None or rc is None
+                     else f"{100 * st:+.1f}% + {100 * rc:.1f}%")
             lines.append(
                 f"{head} {r['status']} | {sim / MIB:.0f} | {meas / MIB:.0f} | "
                 f"{meas / r['budget']:.2f}{'' if within else ' **over**'} | "
                 f"{100 * (meas / sim - 1):+.1f}%{'' if close else ' **miss**'} | "
-                f"{100 * r['predicted_overhead']:.1f}% | {100 * r['measured_overhead']:.1f}% | "
+                f"{100 * r['predicted_overhead']:.1f}% | {parts} | "
+                f"{100 * r['measured_overhead']:.1f}% | "
                 f"{dpts:+.1f}{'' if abs(dpts) <= 10 else ' **miss**'} | "
                 f"{100 * r['static_overhead']:+.1f}% | {100 * r['recompute_overhead']:.1f}% | "
                 f"{'n/a' if share is None else f'{100 * share:.1f}%'} | "
@@ -356,13 +359,16 @@ NOTES = """\
   ballasts and fragmented memory, `tf_remat.api.verification_layouts`) and re-solves with a
   lower budget while the worst is over the budget less a margin (**attempts** counts the
   solves; "Run conditions" below says which layouts and margin this run had).
-* **overhead pred**: plan cost / sum of node costs - 1 with profiled costs (what the solver
-  minimizes: the recomputation); **meas**: median step time of the rewritten step over the plain
-  step's - 1. **static order**: the same step rewritten with no recomputation, in topological
-  order and chained as `optimize` chains (the price of running any static order: TensorFlow no
-  longer runs independent ops side by side), over the plain step; **recompute meas**: the
-  rewritten step over that static-order step, the part the prediction models. The three steps
-  run in a shuffled order in each of `--runs` rounds (median per step). **copies' kernels**:
+* **overhead pred**: `report["predicted_overhead"]`, `(1 + static) * (1 + recompute) - 1` from
+  the two parts beside it: **static** is the price of running any static order (TensorFlow no
+  longer runs independent ops side by side), which `optimize` times itself (`time_order`: the
+  plain step against the graph with no recomputation in topological order, chained as the
+  rewritten step is, a few paired rounds); **recompute** is plan cost / sum of node costs - 1
+  with profiled costs (what the solver minimizes). **overhead meas**: median step time of the
+  rewritten step over the plain step's - 1. **static meas**: that static-order step, built again
+  here, over the plain step; **recompute meas**: the rewritten step over it. The three steps
+  run in a shuffled order in each of `--runs` rounds (median per step), after `optimize`
+  returned. **copies' kernels**:
   from a `tf.profiler` trace (3 steps each), the kernel time of the recomputed copies in the
   rewritten step over the kernel time of the graph's ops in the static-order step: what the
   recomputation costs where the step runs it, apart from scheduling and this machine's load.
