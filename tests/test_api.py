@@ -265,6 +265,23 @@ def test_static_order_is_timed_into_the_prediction_and_leaves_the_weights():
     assert all(np.array_equal(a, b) for a, b in zip(before, after))
 
 
+def test_a_plain_step_that_cannot_be_timed_loses_no_plan(monkeypatch):
+    import tf_remat.api as api
+
+    def out_of_memory(*args, **kwargs):
+        # what a GPU whose memory the plain step does not fit raises, the case tf-remat is for
+        raise tf.errors.ResourceExhaustedError(None, None, "OOM when allocating tensor")
+
+    monkeypatch.setattr(api, "_time_static_order", out_of_memory)
+    model, xs, ys = fresh(mlp)
+    with pytest.warns(UserWarning, match="static order's price was not timed.*OOM"):
+        step = tf_remat.optimize(model, budget_gb=1.0, input_spec=xs, label_spec=ys,
+                                 attach=False, **FAST)
+    rep = step.report
+    assert "static_order_overhead" not in rep and rep["verified"]
+    assert rep["predicted_overhead"] == rep["recompute_overhead"]
+
+
 def test_a_saved_plan_runs_again_instead_of_a_solve(tmp_path):
     from tf_remat.errors import PlanError
     from tf_remat.solvers import solve

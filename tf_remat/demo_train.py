@@ -200,7 +200,12 @@ def run_training_demo(args) -> int:
                                       f"({'within' if within else 'OVER'} budget)"),
         ("step time plain / rewritten", f"{1000 * t_plain:.0f} ms / {1000 * t_remat:.0f} ms"),
         ("overhead predicted / measured", f"{100 * (rep['predicted_overhead'] or 0):.1f}% / "
-                                          f"{100 * overhead_meas:.1f}%"),
+                                          f"{100 * overhead_meas:.1f}%" + (
+                                              f" (predicted: static order "
+                                              f"{100 * rep['static_order_overhead']:+.1f}%, "
+                                              f"recomputation "
+                                              f"{100 * rep['recompute_overhead']:.1f}%)"
+                                              if "static_order_overhead" in rep else "")),
         ("gradient check", f"max rel. diff {grad_err:.1e} "
                            f"({'ok' if grads_ok else 'FAILED'}, tol {GRAD_RTOL:g} rel)"),
         ("fit loss by epoch", " -> ".join(f"{v:.3f}" for v in losses) +
