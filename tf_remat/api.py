@@ -126,12 +126,12 @@ def optimize(model, budget_gb: float | None = None, *, budget_bytes: int | None 
             against the traced step (same nodes, memory and edges, else ``PlanError``) and
             verified as a solved plan is, but kept when it measures within the budget (a run
             may have kept it as the best within the budget, not the margin); over the
-            budget, ``optimize`` solves as it would without it (``report["plan_source"]`` says which
-            plan runs).
+            budget, ``optimize`` solves as it would without it (``report["plan_source"]`` says
+            which plan runs).
         time_order: time the plain step against the graph run in a static order with nothing
-            recomputed (two to five paired rounds, no more after 20 s): running any static order costs
-            time by itself, since TensorFlow no longer runs independent ops side by side, and
-            the solver's costs do not see it. ``report["predicted_overhead"]`` then counts it
+            recomputed (two to five paired rounds, no more after 20 s): running any static
+            order costs time by itself, since TensorFlow no longer runs independent ops side
+            by side, and the solver's costs do not see it. ``report["predicted_overhead"]`` then counts it
             with the recomputation (see :class:`OptimizedStep`).
 
     Returns:
@@ -287,7 +287,8 @@ class OptimizedStep:
             rep["static_order_overhead"] = s
             rep["predicted_overhead"] = (1 + s) * (1 + plan.overhead) - 1
             rep["plain_step_seconds"] = b.order["plain_seconds"]
-            rep["predicted_step_seconds"] = b.order["plain_seconds"] * (1 + plan.overhead) * (1 + s)
+            rep["predicted_step_seconds"] = (b.order["plain_seconds"]
+                                             * (1 + rep["predicted_overhead"]))
             rep["time_order_seconds"] = b.order.get("seconds")
         if b.measured is not None:
             rep["measured_peak_bytes"] = b.measured["step_peak_bytes"]
@@ -658,14 +659,13 @@ def measure_step_peak(step, x, y, *, variables=(), runs: int = 1, warmup: int = 
     import numpy as np
     import tensorflow as tf
 
-    from tf_remat.extract import counted_bytes, current_device_kind, require_memory_stats
+    from tf_remat.extract import (counted_bytes, current_device_kind, require_memory_stats,
+                                  snapshot_variables)
 
     device = device or f"{current_device_kind()}:0"
     require_memory_stats(device)
     kind = device.split(":")[0]
-    # copies, not views: a NumPy view of a variable's buffer makes TensorFlow copy the variable
-    # when the step updates it (copy on write), which the step itself would not do
-    saved = [np.array(v.numpy(), copy=True) for v in variables]
+    saved = snapshot_variables(variables)
     owned = _owned_bytes(variables, kind)
     owned += sum(counted_bytes(int(np.prod(t.shape)) * t.dtype.size, kind)
                  for t in tf.nest.flatten((x, y)))
@@ -724,11 +724,13 @@ def _time_static_order(ex, chain, ispec, lspec) -> dict:
     burst of load on a shared machine falls on both alike."""
     import numpy as np
 
+    from tf_remat.extract import snapshot_variables
+
     static = static_order_step(ex, chain)
     plain = ex.traced.function
     x, y = _synthetic_batch(ispec, lspec)
     variables = ex.traced.variables
-    saved = [np.array(v.numpy(), copy=True) for v in variables]
+    saved = snapshot_variables(variables)
 
     def once(fn):
         t = time.perf_counter()
@@ -773,14 +775,12 @@ def step_allocations(step, x, y, *, variables=()) -> dict:
     allocate; ``allocations``, how many allocations the step made. Add ``owned_bytes`` and the
     batch's bytes to compare with a budget. Only allocations made during the step count.
     """
-    import numpy as np
-
     from tf_remat.extract import (current_device_kind, profiled_memory_events,
-                                  require_memory_stats)
+                                  require_memory_stats, snapshot_variables)
 
     kind = current_device_kind()
     require_memory_stats(f"{kind}:0")  # the profiler's memory events come from the same stats
-    saved = [np.array(v.numpy(), copy=True) for v in variables]
+    saved = snapshot_variables(variables)
     owned = _owned_bytes(variables, kind)
     try:
         _block(step(x, y))  # a function's first call allocates its own state: not the step

@@ -248,10 +248,10 @@ def _device_name():
 
 class _Snapshot:
     def __init__(self, variables):
-        import numpy as np
+        from tf_remat.extract import snapshot_variables
 
         self.variables = list(variables)
-        self.values = [np.array(v.numpy(), copy=True) for v in self.variables]
+        self.values = snapshot_variables(self.variables)
 
     def restore(self):
         import numpy as np

@@ -614,8 +614,6 @@ def measure_workspace(traced: TracedStep, op_map: OpMap, *, x=None, y=None) -> l
     """
     import warnings
 
-    import numpy as np
-
     kind = current_device_kind()
     ws = [0] * op_map.n
     if memory_stats_missing(f"{kind}:0"):
@@ -624,7 +622,7 @@ def measure_workspace(traced: TracedStep, op_map: OpMap, *, x=None, y=None) -> l
         x = _random_like(traced.input_spec, seed=1)
     if y is None:
         y = _random_like(traced.label_spec, seed=2, labels=_num_classes(traced))
-    saved = [np.array(v.numpy(), copy=True) for v in traced.variables]
+    saved = snapshot_variables(traced.variables)
     run = lambda: block(traced.function(x, y))  # noqa: E731
     try:
         run()  # the first call builds kernels and allocates the function's own state
@@ -657,6 +655,15 @@ def measure_workspace(traced: TracedStep, op_map: OpMap, *, x=None, y=None) -> l
             v, b = live.pop(st.get("addr"))
             held[v] -= b
     return [b if b >= _MIN_WORKSPACE else 0 for b in ws]
+
+
+def snapshot_variables(variables) -> list:
+    """The variables' values as private NumPy copies, for :func:`restore_variables`. Copies,
+    not views: a NumPy view of a variable's buffer makes TensorFlow copy the variable when the
+    step updates it (copy on write), which the step itself would not do."""
+    import numpy as np
+
+    return [np.array(v.numpy(), copy=True) for v in variables]
 
 
 def restore_variables(variables, values):

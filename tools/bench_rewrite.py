@@ -55,7 +55,7 @@ def run_case(name, batch, size, fractions, strategy, time_limit, runs, trace=Tru
     import numpy as np
 
     import tf_remat
-    from tf_remat.api import measure_step_peak
+    from tf_remat.api import measure_step_peak, static_order_step
     from tf_remat.errors import InfeasibleBudgetError, RematError
     from tf_remat.extract import trace_training_step
     from tf_remat.zoo import get_model
@@ -110,8 +110,8 @@ def run_case(name, batch, size, fractions, strategy, time_limit, runs, trace=Tru
         row["peaks"] = peaks
         row["measured_peak"] = int(statistics.median(peaks))
         row["measured_peak_max"] = max(peaks)
-        if floor is None:
-            floor = _static_order_step(step)
+        if floor is None:  # what optimize's time_order timed, built again to time it here
+            floor = static_order_step(step._primary().extraction, step._opts["chain"])
         times = _interleaved_times({"plain": ref.function, "static": floor, "remat": step},
                                    x, y, state, runs)
         tb, ts, tr = times["plain"], times["static"], times["remat"]
@@ -183,15 +183,6 @@ def _batch(xs, ys, model):
 
     return (tf.nest.map_structure(lambda s: make(s, False), xs),
             tf.nest.map_structure(lambda s: make(s, True), ys))
-
-
-def _static_order_step(step):
-    """The step's graph with no recomputation in a static order, chained as ``optimize``
-    chains (what ``time_order`` times inside ``optimize``, built again here to time it
-    beside the other two steps)."""
-    from tf_remat.api import static_order_step
-
-    return static_order_step(step._primary().extraction, step._opts["chain"])
 
 
 def _kernel_seconds(fn, x, y, state, reps=3):
