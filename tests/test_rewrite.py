@@ -566,19 +566,24 @@ def test_reordered_plans_keep_each_weight_gradient_fused_with_its_bias_gradient(
     """oneDNN merges a Conv2DBackpropFilter and the BiasAddGrad of the same output gradient into
     one kernel unless one of them alone carries the chain's edge. In orders where the pair's
     node follows the producer of the weight gradient's input (not of the shared gradient), a
-    gate on the bias gradient alone left the pair unfused: in float32 a reassociation, under
-    ``mixed_bfloat16`` a bias gradient 95% off (the unfused BiasAddGrad sums in bfloat16)."""
+    gate on the bias gradient alone left the pair unfused, and so did a chain edge between a
+    projection shortcut's gradients and its branch's (oneDNN paired the shortcut's bias
+    gradient with the branch's weight gradient): in float32 a reassociation, under
+    ``mixed_bfloat16`` a bias gradient 50-95% off the fused kernel's (the unfused bfloat16
+    BiasAddGrad loses the sum's precision)."""
     from tf_remat.extract import extract, trace_training_step
     from tf_remat.rewrite import rewrite
 
     keras.utils.set_random_seed(3)
     inp = keras.Input((16, 16, 3))
     h = keras.layers.Conv2D(8, 3, padding="same")(inp)
-    for _ in range(3):
-        r = h
+    for width in (8, 8, 16):
+        # the last block's biased projection shortcut and its branch's last convolution read
+        # one output gradient: two weight and two bias gradients that oneDNN pairs as it likes
+        r = h if width == h.shape[-1] else keras.layers.Conv2D(width, 1)(h)
         h = keras.layers.ReLU()(keras.layers.BatchNormalization()(h))
-        h = keras.layers.Conv2D(8, 3, padding="same")(h)
-        h = keras.layers.Add()([keras.layers.Dropout(0.2)(h), r])
+        h = keras.layers.Conv2D(width, 3, padding="same")(keras.layers.Dropout(0.2)(h))
+        h = keras.layers.Add()([h, r])
     out = keras.layers.Dense(10)(keras.layers.GlobalAveragePooling2D()(h))
     model = keras.Model(inp, out)
     model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -586,6 +591,16 @@ def test_reordered_plans_keep_each_weight_gradient_fused_with_its_bias_gradient(
     specs = (tf.TensorSpec((16, 16, 16, 3)), tf.TensorSpec((16,), tf.int32))
     ex = extract(model, input_spec=specs[0], label_spec=specs[1], cost_model="flops", verbose=0)
     x, y = batch_for(ex)
+    # the weight and bias gradients reading one output gradient are one node (whatever pairs
+    # oneDNN makes, no chain edge falls between them)
+    by_dy = {}
+    for op in ex.traced.function.graph.get_operations():
+        if op.type == "BiasAddGrad" or op.type == "Conv2DBackpropFilter":
+            by_dy.setdefault(op.inputs[-1].name, []).append(op.name)
+    shared = [ops for ops in by_dy.values() if len(ops) == 4]
+    assert len(shared) == 1, by_dy
+    node_of = ex.op_map.node_of()
+    assert len({node_of[o] for o in shared[0]}) == 1, shared
     plain_step = trace_training_step(model, *specs)
     plain = _executed_op_types(plain_step.function, x, y, plain_step.variables)
     pairs = plain.get("_MklNativeConv2DBackpropFilterWithBias", 0)
@@ -598,7 +613,9 @@ def test_reordered_plans_keep_each_weight_gradient_fused_with_its_bias_gradient(
     for plan, chain in cases:
         step = rewrite(ex.traced, ex.graph, ex.op_map, plan, chain=chain)
         new = _executed_op_types(step.function, x, y, ex.traced.variables)
-        assert new.get("_MklNativeConv2DBackpropFilterWithBias", 0) == pairs, \
+        # (at least: in Keras's step oneDNN may pair two of the shared gradient's four ops in
+        # a way that leaves the other two unfused)
+        assert new.get("_MklNativeConv2DBackpropFilterWithBias", 0) >= pairs, \
             (plan.strategy, chain, new)
         assert_same_step(ex, step, x, y)
 

@@ -1773,6 +1773,10 @@ class _Analysis:
                             self.inputs[s][0][0] == o:
                         try_merge(s, j, force=True)
             elif t == "BiasAddGrad" and ins:
+                # every weight gradient of this output gradient: where two biased layers read
+                # one gradient (a projection shortcut's and the branch's last convolution),
+                # oneDNN pairs each BiasAddGrad with whichever reads it first, not with its
+                # own layer's, so no chain edge may fall between any of them
                 dy = self.inputs[j][0]
                 for c in self.consumers[dy]:
                     if c != j and node[c] and ops[c].type in WEIGHT_GRAD_OPS:
@@ -1780,7 +1784,6 @@ class _Analysis:
                                 ops[c].outputs[0].shape.rank == 2 and
                                 self.inputs[c][1] == dy):
                             try_merge(c, j, force=True)
-                            break
             elif t in ("Conv2D", "DepthwiseConv2dNative", "Conv3D") and ins:
                 i, k = self.inputs[j][0]
                 if node[i] and ops[i].type in ("Pad", "PadV2", "MirrorPad"):

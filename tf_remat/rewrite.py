@@ -310,8 +310,8 @@ def build_graph_def(traced, op_map, sequence, *, chain: str = "op", runs=None):
                 # gradient's inputs and both ops' control edges): no edge when either reads
                 # what it follows, else both read one gate on the tensor they share. A gate
                 # or an edge on one of them alone leaves the pair unfused (after Grappler
-                # turns a gate into control edges), which put a bfloat16 bias gradient 95% off:
-                # BiasAddGrad alone sums in bfloat16
+                # turns a gate into control edges), which put a bfloat16 bias gradient 95% off
+                # the fused kernel's
                 data_from = {parse(r)[0] for r in ins if not r.startswith("^")} | theirs
                 extra = [t for t in after if t not in data_from]
                 if extra:

@@ -69,6 +69,36 @@ def resdrop(batch=64, hw=32):
     return model, tf.TensorSpec((batch, hw, hw, 3)), tf.TensorSpec((batch,), tf.int32)
 
 
+def mixed(batch=64, hw=32):
+    """A residual CNN under Keras's ``mixed_bfloat16`` policy (bfloat16 activations, float32
+    weights; each BatchNormalization casts to float32 for its statistics), Dropout, a float32
+    head."""
+    import keras
+    import tensorflow as tf
+
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    try:
+        inp = keras.Input((hw, hw, 3))
+        h = keras.layers.Conv2D(32, 3, padding="same")(inp)
+        for width, stride in ((32, 1), (32, 1), (64, 2), (64, 1)):
+            r = keras.layers.Activation("relu")(keras.layers.BatchNormalization()(h))
+            s = h if stride == 1 and h.shape[-1] == width else \
+                keras.layers.Conv2D(width, 1, strides=stride)(r)
+            r = keras.layers.Conv2D(width, 3, strides=stride, padding="same")(r)
+            r = keras.layers.Activation("relu")(keras.layers.BatchNormalization()(r))
+            r = keras.layers.Dropout(0.1)(r)
+            r = keras.layers.Conv2D(width, 3, padding="same")(r)
+            h = keras.layers.Add()([r, s])
+        h = keras.layers.GlobalAveragePooling2D()(h)
+        out = keras.layers.Dense(10, dtype="float32")(h)
+        model = keras.Model(inp, out, name="mixed")
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  optimizer=keras.optimizers.Adam(1e-3), metrics=["accuracy"])
+    return model, tf.TensorSpec((batch, hw, hw, 3)), tf.TensorSpec((batch,), tf.int32)
+
+
 def unet_bn(batch=8, hw=64):
     """A small U-Net: concatenated skips, BatchNorm, Dropout at the bottleneck, per-pixel loss."""
     import keras
@@ -446,7 +476,7 @@ MODELS = {"resdrop": resdrop, "unet_bn": unet_bn, "densenet": densenet,
           "efficientnet": efficientnet, "mixer": mixer, "decoder_gn": decoder_gn,
           "noisy": noisy, "bilstm": bilstm, "xception": xception, "tcn": tcn,
           "grouped": grouped, "regnet": regnet, "resmlp": resmlp,
-          "subclassed": subclassed, "augment": augment}
+          "subclassed": subclassed, "augment": augment, "mixed": mixed}
 
 
 # --------------------------------------------------------------------- one case
