@@ -306,6 +306,8 @@ def test_a_saved_plan_runs_again_instead_of_a_solve(tmp_path):
     assert rep["plan_source"] == "given" and again.plan.sequence == other.sequence
     assert rep["recompute_overhead"] == pytest.approx(other.overhead)
     assert rep["verified"] and rep["measured_peak_bytes"] <= 2**30
+    assert rep["given_plan_measured_bytes"] == rep["measured_peak_bytes"]
+    assert "given_plan_measured_bytes" not in step.report
     x, y = data(xs2, ys2)
     plain = tf_remat.optimize(model2, budget_gb=1.0, input_spec=xs2, label_spec=ys2,
                               attach=False, **FAST)

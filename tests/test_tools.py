@@ -1,5 +1,6 @@
 """The user-facing tools: max-batch search, tools/train.py, tradeoff on a model (TensorFlow)."""
 
+import ast
 import csv
 import json
 import os
@@ -302,7 +303,14 @@ def test_train_script_logs_epochs_with_decreasing_loss(module_file, budget_gb, t
     proc = subprocess.run(cmd + ["--plan", str(saved), "--epochs", "1"],
                           capture_output=True, text=True, env=_env(), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "'plan_source': 'given'" in proc.stdout.strip().splitlines()[-1]
+    rep = ast.literal_eval(proc.stdout.strip().splitlines()[-1])
+    # the given plan ran; or it measured over the budget in this process (the allocator's
+    # layout differs between processes: 13.3 and 13.9 MiB for one plan here, and a run may
+    # have kept it at up to the budget) and a solve replaced it, as documented
+    assert rep["given_plan_measured_bytes"] is not None, rep
+    if rep["plan_source"] != "given":
+        assert rep["given_plan_measured_bytes"] > rep["budget_bytes"], rep
+        assert rep["plan_source"] == "solved" and rep["attempts"] > 1, rep
 
 
 def test_train_script_reports_bad_module(tmp_path):

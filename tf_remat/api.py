@@ -121,13 +121,14 @@ def optimize(model, budget_gb: float | None = None, *, budget_bytes: int | None 
         chain: how the plan's order is imposed (see :func:`tf_remat.rewrite.rewrite`).
         plan: a :class:`~tf_remat.plan.Plan`, or the path of one saved from ``step.plan``, for
             this model's step at this batch size: it is run instead of a first solve. The
-            solver does not give the same plan twice, and a plan measures the same in every
-            fresh process, so reusing one that was verified repeats its peak. It is checked
-            against the traced step (same nodes, memory and edges, else ``PlanError``) and
-            verified as a solved plan is, but kept when it measures within the budget (a run
-            may have kept it as the best within the budget, not the margin); over the
-            budget, ``optimize`` solves as it would without it (``report["plan_source"]`` says
-            which plan runs).
+            solver does not give the same plan twice, and a plan measures within a few percent
+            in every fresh process (the allocator's layout differs), so reusing one that was
+            verified about repeats its peak. It is checked against the traced step (same
+            nodes, memory and edges, else ``PlanError``) and verified as a solved plan is, but
+            kept when it measures within the budget (a run may have kept it as the best
+            within the budget, not the margin); over the budget, ``optimize`` solves as it
+            would without it (``report["plan_source"]`` says which plan runs, and
+            ``report["given_plan_measured_bytes"]`` what the given one measured).
         time_order: time the plain step against the graph run in a static order with nothing
             recomputed (two to five paired rounds, no more after 20 s): running any static
             order costs time by itself, since TensorFlow no longer runs independent ops side
@@ -300,6 +301,9 @@ class OptimizedStep:
                     "extract_seconds": b.seconds.get("extract"),
                     "rewrite_seconds": b.seconds.get("rewrite"),
                     "lower_bound_bytes": graph.budget_lower_bound})
+        if b.attempts and b.attempts[0].get("given"):
+            # what the given plan measured here, whichever plan then ran
+            rep["given_plan_measured_bytes"] = b.attempts[0]["measured"]
         return rep
 
     def summary(self) -> str:
@@ -513,7 +517,8 @@ class OptimizedStep:
             solve_s = time.perf_counter() - ts
             if attempt and limit is not None:
                 resolve_left -= solve_s
-            info = {"time_limit": this_limit, "solve_seconds": round(solve_s, 3)}
+            info = {"time_limit": this_limit, "solve_seconds": round(solve_s, 3),
+                    "given": attempt == 0 and given is not None}
             if not plan.within_budget:
                 if solve_budget >= budget:
                     _raise_infeasible(graph, plan, budget, o, ex.info.get("loop_bytes"))
@@ -557,6 +562,9 @@ class OptimizedStep:
             if m <= target or (attempt == 0 and given is not None and m <= budget):
                 accepted = cand
                 break
+            if attempt == 0 and given is not None and verbose:
+                print(f"tf-remat: the given plan measures {format_bytes(m)} here, over the "
+                      f"budget {format_bytes(budget)}; solving", file=sys.stderr, flush=True)
             too_high = solve_budget if too_high is None else min(too_high, solve_budget)
             excess = m - plan.peak_memory
             nxt = min(target - excess - int(0.005 * budget),

@@ -144,7 +144,7 @@ def _probe_isolated(spec: dict, batch, budget, **kw):
     free chunk of up to twice its size and counts all of it, and which requests meet such
     chunks depends on the regions there are. A residual CNN at 4.5 MiB activations and a
     30.7 MiB budget: one plan measured 26.7 MiB in the search's process and 32-37 MiB in fresh
-    ones, and the same plan measures the same in every fresh process.
+    ones, and the same plan measures within a few percent in every fresh process.
     """
     import json
     import subprocess
@@ -203,7 +203,8 @@ def max_batch_size(build, budget_gb: float | None = None, *, budget_bytes: int |
             user's own ``optimize`` call can count on. 0: the search's probe alone.
         save_plan: write the plan of the last probe that fitted at the reported
             rematerialized size here (JSON), for ``optimize(..., plan=)`` or ``train.py
-            --plan``: that plan measured within the budget, and measures the same again.
+            --plan``: that plan measured within the budget, and measures within a few percent
+            of that again.
             Nothing is written when rematerialization found no size above the plain one.
 
     Returns:
