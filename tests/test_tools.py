@@ -65,7 +65,9 @@ REMEASURE = textwrap.dedent('''
     tf.config.experimental.reset_memory_stats("CPU:0")
     step(x, y).numpy()
     print(json.dumps({"peak": tf.config.experimental.get_memory_info("CPU:0")["peak"],
-                      "plan_source": step.report["plan_source"]}))
+                      "plan_source": step.report["plan_source"],
+                      "given_measured": step.report.get("given_plan_measured_bytes"),
+                      "budget": step.report["budget_bytes"]}))
 ''')
 
 BUDGET_GB = 0.03  # GiB, plus the kernels' scratch space (see ``budget_gb``)
@@ -149,7 +151,10 @@ def test_max_batch_cli_json_and_remeasured(module_file, budget_gb, tmp_path):
                               capture_output=True, text=True, env=_env(), timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
         res = json.loads(proc.stdout.strip().splitlines()[-1])
-        assert res["plan_source"] == source, res
+        # or the saved plan measured over the budget in this process and a solve replaced it
+        # (documented; a plan measures within a few percent across processes)
+        assert res["plan_source"] == source or (
+            source == "given" and res["given_measured"] > res["budget"]), res
         # the allocator's absolute peak also counts what the process holds besides the step
         # (the test's own batch, TF's runtime buffers): 5% slack, as the budget is checked
         assert res["peak"] <= 1.05 * out["budget_bytes"], (res, out)
