@@ -521,9 +521,7 @@ def test_chain_keeps_the_kernel_fusions_of_the_original_step():
     model = keras.Model(inp, out)
     model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   optimizer="adam")
-    from tf_remat.extract import extract
-
-    from tf_remat.extract import trace_training_step
+    from tf_remat.extract import extract, trace_training_step
 
     specs = (tf.TensorSpec((8, 16, 16, 3)), tf.TensorSpec((8,), tf.int32))
     ex = extract(model, input_spec=specs[0], label_spec=specs[1], cost_model="flops", verbose=0)
