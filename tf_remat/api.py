@@ -123,7 +123,7 @@ def optimize(model, budget_gb: float | None = None, *, budget_bytes: int | None 
             this model's step at this batch size: it is run instead of a first solve. The
             solver does not give the same plan twice, and a plan measures within a few percent
             in every fresh process (the allocator's layout differs), so reusing one that was
-            verified about repeats its peak. It is checked against the traced step (same
+            verified repeats its peak to within that. It is checked against the traced step (same
             nodes, memory and edges, else ``PlanError``) and verified as a solved plan is, but
             kept when it measures within the budget (a run may have kept it as the best
             within the budget, not the margin); over the budget, ``optimize`` solves as it
@@ -505,7 +505,8 @@ class OptimizedStep:
                     break
                 this_limit = min(_RESOLVE_LIMIT * limit, resolve_left)
             ts = time.perf_counter()
-            if attempt == 0 and given is not None:
+            from_given = attempt == 0 and given is not None
+            if from_given:
                 plan = given
             else:
                 # each attempt its own seed: a heuristic that found nothing once may next time
@@ -518,7 +519,7 @@ class OptimizedStep:
             if attempt and limit is not None:
                 resolve_left -= solve_s
             info = {"time_limit": this_limit, "solve_seconds": round(solve_s, 3),
-                    "given": attempt == 0 and given is not None}
+                    "given": from_given}
             if not plan.within_budget:
                 if solve_budget >= budget:
                     _raise_infeasible(graph, plan, budget, o, ex.info.get("loop_bytes"))
@@ -559,10 +560,10 @@ class OptimizedStep:
                 best = cand
             # a given plan was kept by a run that found it within the budget, perhaps not
             # within the margin (the best there was): within the budget here, it runs again
-            if m <= target or (attempt == 0 and given is not None and m <= budget):
+            if m <= target or (from_given and m <= budget):
                 accepted = cand
                 break
-            if attempt == 0 and given is not None and verbose:
+            if from_given and verbose:
                 print(f"tf-remat: the given plan measures {format_bytes(m)} here, over the "
                       f"budget {format_bytes(budget)}; solving", file=sys.stderr, flush=True)
             too_high = solve_budget if too_high is None else min(too_high, solve_budget)
