@@ -55,7 +55,7 @@ def run_case(name, batch, size, fractions, strategy, time_limit, runs, trace=Tru
     import numpy as np
 
     import tf_remat
-    from tf_remat.api import measure_step_peak, static_order_step
+    from tf_remat.api import measure_step_peak, static_order_step, step_allocations
     from tf_remat.errors import InfeasibleBudgetError, RematError
     from tf_remat.extract import trace_training_step
     from tf_remat.zoo import get_model
@@ -110,6 +110,13 @@ def run_case(name, batch, size, fractions, strategy, time_limit, runs, trace=Tru
         row["peaks"] = peaks
         row["measured_peak"] = int(statistics.median(peaks))
         row["measured_peak_max"] = max(peaks)
+        # what the step's kernels asked for (the simulator's quantity) beside what the
+        # allocator handed them (what get_memory_info counts): splits a miss into the
+        # simulator's error and the allocator's chunk policy
+        prof = step_allocations(step, x, y, variables=ref.variables)
+        owned = measure_step_peak(step, x, y, variables=ref.variables)["owned_bytes"]
+        row["requested_peak"] = prof["requested_peak_bytes"] + owned
+        row["held_peak"] = prof["held_peak_bytes"] + owned
         if floor is None:  # what optimize's time_order timed, built again to time it here
             floor = static_order_step(step._primary().extraction, step._opts["chain"])
         times = _interleaved_times({"plain": ref.function, "static": floor, "remat": step},
@@ -281,14 +288,15 @@ def _emit(row, name):
 # --------------------------------------------------------------------- report
 def table(results) -> str:
     lines = ["| model | batch | plain peak MiB | budget | budget MiB | status | simulated MiB | "
-             "measured MiB | meas/budget | meas vs sim | overhead pred | static + recompute "
+             "measured MiB | meas/budget | meas vs sim | requested MiB | req vs sim | held MiB | overhead pred | static + recompute "
              "pred | overhead meas | diff (pts) | static meas | recompute meas | "
              "copies' kernels | grad err | attempts |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+             "---|"]
     for res in results:
         if "error" in res:
             lines.append(f"| {res['model']} | {res['batch']} | error: {res['error'][:120]} |"
-                         + " |" * 16)
+                         + " |" * 19)
             continue
         for r in res["rows"]:
             head = (f"| {res['model']} | {res['batch']} | {res['baseline_peak'] / MIB:.0f} | "
@@ -296,9 +304,10 @@ def table(results) -> str:
             if r.get("status") in ("infeasible", "error"):
                 extra = (f"smallest reachable {r['min_feasible'] / MIB:.0f} MiB"
                          if r.get("min_feasible") else r.get("message", "")[:80])
-                lines.append(f"{head} {r['status']} ({extra}) |" + " |" * 13)
+                lines.append(f"{head} {r['status']} ({extra}) |" + " |" * 16)
                 continue
             sim, meas = r["predicted_peak_bytes"], r["measured_peak"]
+            req = r.get("requested_peak")  # absent in results from before the column
             within = r["measured_peak_max"] <= 1.05 * r["budget"]
             close = abs(meas - sim) <= 0.10 * sim
             dpts = 100 * (r["measured_overhead"] - r["predicted_overhead"])
@@ -311,6 +320,7 @@ def table(results) -> str:
                 f"{head} {r['status']} | {sim / MIB:.0f} | {meas / MIB:.0f} | "
                 f"{meas / r['budget']:.2f}{'' if within else ' **over**'} | "
                 f"{100 * (meas / sim - 1):+.1f}%{'' if close else ' **miss**'} | "
+                f"{_mib(req)} | {_pct(req, sim)} | {_mib(r.get('held_peak'))} | "
                 f"{100 * r['predicted_overhead']:.1f}% | {parts} | "
                 f"{100 * r['measured_overhead']:.1f}% | "
                 f"{dpts:+.1f}{'' if abs(dpts) <= 10 else ' **miss**'} | "
@@ -318,6 +328,14 @@ def table(results) -> str:
                 f"{'n/a' if share is None else f'{100 * share:.1f}%'} | "
                 f"{'n/a' if grad is None else f'{grad:.1e}'} | {r['attempts']} |")
     return "\n".join(lines)
+
+
+def _mib(b):
+    return "n/a" if b is None else f"{b / MIB:.1f}"
+
+
+def _pct(b, ref):
+    return "n/a" if b is None else f"{100 * (b / ref - 1):+.1f}%"
 
 
 def times_table(results) -> str:
@@ -350,6 +368,12 @@ NOTES = """\
   ballasts and fragmented memory, `tf_remat.api.verification_layouts`) and re-solves with a
   lower budget while the worst is over the budget less a margin (**attempts** counts the
   solves; "Run conditions" below says which layouts and margin this run had).
+* **requested** / **held**: one more run of the rewritten step under TensorFlow's profiler
+  (`tf_remat.api.step_allocations`), plus the variables and the batch: the peak of the bytes
+  its kernels asked for (what the simulator models; **req vs sim** is the simulator's own
+  error) and of the chunks the allocator handed them (TensorFlow's BFC allocator hands over a
+  whole free chunk when it is less than twice the request, so held exceeds requested by an
+  amount that depends on which chunks are free; measured follows held, not requested).
 * **overhead pred**: `report["predicted_overhead"]`, `(1 + static) * (1 + recompute) - 1` from
   the two parts beside it: **static** is the price of running any static order (TensorFlow no
   longer runs independent ops side by side), which `optimize` times itself (`time_order`: the
