@@ -131,7 +131,7 @@ def optimize(model, budget_gb: float | None = None, *, budget_bytes: int | None 
             would without it (``report["plan_source"]`` says which plan runs, and
             ``report["given_plan_measured_bytes"]`` what the given one measured).
         time_order: time the plain step against the graph run in a static order with nothing
-            recomputed (two to five paired rounds, no more after 20 s): running any static
+            recomputed (3 to 15 paired rounds, no more after 20 s): running any static
             order costs time by itself, since TensorFlow no longer runs independent ops side
             by side, and the solver's costs do not see it. ``report["predicted_overhead"]`` then counts it
             with the recomputation (see :class:`OptimizedStep`).
