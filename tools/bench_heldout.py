@@ -511,7 +511,7 @@ def _fragmented(step, x, y, big, seed=0):
         del held
 
 
-def run_case(name, fractions, time_limit):
+def run_case(name, fractions, time_limit, plans=None):
     import numpy as np
     import tensorflow as tf
 
@@ -571,6 +571,8 @@ def run_case(name, fractions, time_limit):
         restore()
         scale = max(float(np.abs(g).max()) for g in g1)
         row["grad_err"] = max(float(np.abs(a - b).max()) for a, b in zip(g1, g2)) / scale
+        if plans:  # to replay a row later: both plans and graphs (the step's, the gradients')
+            _save_plans(step, plans, f"{name}_{round(100 * frac)}", int(xs.shape[0]))
         ref.function(x, y)
         s1 = [v.numpy() for v in model.non_trainable_variables if "moving" in v.path]
         restore()
@@ -591,6 +593,14 @@ def run_case(name, fractions, time_limit):
         out["rows"].append(row)
         print(f"[{name}] {json.dumps(row)}", file=sys.stderr, flush=True)
     return out
+
+
+def _save_plans(step, folder, stem, batch):
+    os.makedirs(folder, exist_ok=True)
+    for kind, built in (("step", step._primary()),
+                        ("gradients", step._get(batch, apply_updates=False))):
+        built.extraction.graph.save(os.path.join(folder, f"{stem}_{kind}.graph.json"))
+        built.plan.save(os.path.join(folder, f"{stem}_{kind}.plan.json"))
 
 
 def first_call_case(name, frac, time_limit):
@@ -690,12 +700,15 @@ def main(argv=None):
                    help="skip the first-call runs (one more process per model)")
     p.add_argument("-o", "--output", default=os.path.join(ROOT, "benchmarks", "results",
                                                           "heldout.md"))
+    p.add_argument("--plans", default=None, metavar="DIR",
+                   help="save each row's plans and graphs (the step's and the gradients') here")
     p.add_argument("--case", default=None, help=argparse.SUPPRESS)   # child process
     p.add_argument("--first", default=None, help=argparse.SUPPRESS)  # child process
     args = p.parse_args(argv)
     fractions = [float(f) for f in args.fractions.split(",")]
     if args.case:
-        print("RESULT " + json.dumps(run_case(args.case, fractions, args.time_limit)),
+        print("RESULT " + json.dumps(run_case(args.case, fractions, args.time_limit,
+                                              args.plans)),
               flush=True)
         return 0
     if args.first:
@@ -707,6 +720,8 @@ def main(argv=None):
         t0 = time.perf_counter()
         cmd = [sys.executable, os.path.abspath(__file__), flag, value,
                "--fractions", args.fractions, "--time-limit", str(args.time_limit)]
+        if args.plans:
+            cmd += ["--plans", os.path.abspath(args.plans)]
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
         res = next((json.loads(line[7:]) for line in proc.stdout.splitlines()
                     if line.startswith("RESULT ")), None)
