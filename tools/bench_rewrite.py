@@ -105,8 +105,8 @@ def run_case(name, batch, size, fractions, strategy, time_limit, runs, trace=Tru
         row["recompute_pred"] = rep.get("recompute_overhead")
         row["static_pred"] = rep.get("static_order_overhead")
         state.restore()
-        peaks = [measure_step_peak(step, x, y, variables=ref.variables)["step_peak_bytes"]
-                 for _ in range(3)]
+        runs_meas = [measure_step_peak(step, x, y, variables=ref.variables) for _ in range(3)]
+        peaks = [m["step_peak_bytes"] for m in runs_meas]
         row["peaks"] = peaks
         row["measured_peak"] = int(statistics.median(peaks))
         row["measured_peak_max"] = max(peaks)
@@ -114,7 +114,7 @@ def run_case(name, batch, size, fractions, strategy, time_limit, runs, trace=Tru
         # allocator handed them (what get_memory_info counts): splits a miss into the
         # simulator's error and the allocator's chunk policy
         prof = step_allocations(step, x, y, variables=ref.variables)
-        owned = measure_step_peak(step, x, y, variables=ref.variables)["owned_bytes"]
+        owned = runs_meas[0]["owned_bytes"]  # the variables and the batch
         row["requested_peak"] = prof["requested_peak_bytes"] + owned
         row["held_peak"] = prof["held_peak_bytes"] + owned
         if floor is None:  # what optimize's time_order timed, built again to time it here
@@ -288,11 +288,10 @@ def _emit(row, name):
 # --------------------------------------------------------------------- report
 def table(results) -> str:
     lines = ["| model | batch | plain peak MiB | budget | budget MiB | status | simulated MiB | "
-             "measured MiB | meas/budget | meas vs sim | requested MiB | req vs sim | held MiB | overhead pred | static + recompute "
-             "pred | overhead meas | diff (pts) | static meas | recompute meas | "
-             "copies' kernels | grad err | attempts |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
-             "---|"]
+             "measured MiB | meas/budget | meas vs sim | requested MiB | req vs sim | held MiB | "
+             "overhead pred | static + recompute pred | overhead meas | diff (pts) | "
+             "static meas | recompute meas | copies' kernels | grad err | attempts |",
+             "|---" * 22 + "|"]
     for res in results:
         if "error" in res:
             lines.append(f"| {res['model']} | {res['batch']} | error: {res['error'][:120]} |"
