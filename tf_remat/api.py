@@ -781,10 +781,14 @@ def step_allocations(step, x, y, *, variables=()) -> dict:
     requested and still hold (the quantity :func:`tf_remat.plan.simulate` models);
     ``held_peak_bytes``, the same for the chunks the allocator handed out (TensorFlow's BFC
     allocator gives a whole free chunk when it is less than twice the request, so this is what
-    ``get_memory_info`` counts); ``owned_bytes``, the variables, which the step does not
-    allocate; ``allocations``, how many allocations the step made. Add ``owned_bytes`` and the
-    batch's bytes to compare with a budget. Only allocations made during the step count.
+    ``get_memory_info`` counts); ``fresh_pool_held_peak_bytes``, what the same requests would
+    hold in an empty pool (:func:`tf_remat.allocator.replay`; the rest of ``held_peak_bytes``
+    is what earlier allocations left in the allocator); ``owned_bytes``, the variables, which
+    the step does not allocate; ``allocations``, how many allocations the step made. Add
+    ``owned_bytes`` and the batch's bytes to compare with a budget. Only allocations made
+    during the step count.
     """
+    from tf_remat.allocator import replay
     from tf_remat.extract import (current_device_kind, profiled_memory_events,
                                   require_memory_stats, snapshot_variables)
 
@@ -811,7 +815,12 @@ def step_allocations(step, x, y, *, variables=()) -> dict:
             req -= r
             held -= h
         best_req, best_held = max(best_req, req), max(best_held, held)
+    # the same requests in an empty pool: what the step's own pattern costs, apart from what
+    # earlier allocations left in the allocator
+    fresh = replay((alloc, st.get("addr"), st.get("requested_bytes", 0))
+                   for _, alloc, st in events)
     return {"requested_peak_bytes": int(best_req), "held_peak_bytes": int(best_held),
+            "fresh_pool_held_peak_bytes": fresh["held_peak_bytes"],
             "owned_bytes": int(owned), "allocations": count}
 
 

@@ -117,6 +117,7 @@ def run_case(name, batch, size, fractions, strategy, time_limit, runs, trace=Tru
         owned = runs_meas[0]["owned_bytes"]  # the variables and the batch
         row["requested_peak"] = prof["requested_peak_bytes"] + owned
         row["held_peak"] = prof["held_peak_bytes"] + owned
+        row["fresh_held_peak"] = prof["fresh_pool_held_peak_bytes"] + owned
         if floor is None:  # what optimize's time_order timed, built again to time it here
             floor = static_order_step(step._primary().extraction, step._opts["chain"])
         times = _interleaved_times({"plain": ref.function, "static": floor, "remat": step},
@@ -289,13 +290,13 @@ def _emit(row, name):
 def table(results) -> str:
     lines = ["| model | batch | plain peak MiB | budget | budget MiB | status | simulated MiB | "
              "measured MiB | meas/budget | meas vs sim | requested MiB | req vs sim | held MiB | "
-             "overhead pred | static + recompute pred | overhead meas | diff (pts) | "
+             "empty-pool held MiB | overhead pred | static + recompute pred | overhead meas | diff (pts) | "
              "static meas | recompute meas | copies' kernels | grad err | attempts |",
-             "|---" * 22 + "|"]
+             "|---" * 23 + "|"]
     for res in results:
         if "error" in res:
             lines.append(f"| {res['model']} | {res['batch']} | error: {res['error'][:120]} |"
-                         + " |" * 19)
+                         + " |" * 20)
             continue
         for r in res["rows"]:
             head = (f"| {res['model']} | {res['batch']} | {res['baseline_peak'] / MIB:.0f} | "
@@ -303,7 +304,7 @@ def table(results) -> str:
             if r.get("status") in ("infeasible", "error"):
                 extra = (f"smallest reachable {r['min_feasible'] / MIB:.0f} MiB"
                          if r.get("min_feasible") else r.get("message", "")[:80])
-                lines.append(f"{head} {r['status']} ({extra}) |" + " |" * 16)
+                lines.append(f"{head} {r['status']} ({extra}) |" + " |" * 17)
                 continue
             sim, meas = r["predicted_peak_bytes"], r["measured_peak"]
             req = r.get("requested_peak")  # absent in results from before the column
@@ -320,7 +321,7 @@ def table(results) -> str:
                 f"{meas / r['budget']:.2f}{'' if within else ' **over**'} | "
                 f"{100 * (meas / sim - 1):+.1f}%{'' if close else ' **miss**'} | "
                 f"{_mib(req)} | {_pct(req, sim)} | {_mib(r.get('held_peak'))} | "
-                f"{100 * r['predicted_overhead']:.1f}% | {parts} | "
+                f"{_mib(r.get('fresh_held_peak'))} | {100 * r['predicted_overhead']:.1f}% | {parts} | "
                 f"{100 * r['measured_overhead']:.1f}% | "
                 f"{dpts:+.1f}{'' if abs(dpts) <= 10 else ' **miss**'} | "
                 f"{100 * r['static_overhead']:+.1f}% | {100 * r['recompute_overhead']:.1f}% | "
@@ -373,6 +374,9 @@ NOTES = """\
   error) and of the chunks the allocator handed them (TensorFlow's BFC allocator hands over a
   whole free chunk when it is less than twice the request, so held exceeds requested by an
   amount that depends on which chunks are free; measured follows held, not requested).
+  **empty-pool held**: the same requests replayed through a model of that allocator
+  (`tf_remat.allocator.replay`) in an empty pool: what the step's own allocation pattern
+  holds. Held beyond it is what earlier allocations left in the pool.
 * **overhead pred**: `report["predicted_overhead"]`, `(1 + static) * (1 + recompute) - 1` from
   the two parts beside it: **static** is the price of running any static order (TensorFlow no
   longer runs independent ops side by side), which `optimize` times itself (`time_order`: the
