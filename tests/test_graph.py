@@ -159,7 +159,7 @@ def test_random_layered_graph_matches_published_shape():
 def test_core_imports_without_tensorflow():
     code = ("import sys; sys.modules['tensorflow'] = None; "
             "import tf_remat, tf_remat.graph, tf_remat.plan, tf_remat.solvers, "
-            "tf_remat.solvers.baselines, tf_remat.generators, tf_remat.cli; "
+            "tf_remat.solvers.baselines, tf_remat.generators, tf_remat.cli, tf_remat.allocator; "
             "assert 'keras' not in sys.modules; print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
