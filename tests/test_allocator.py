@@ -68,6 +68,13 @@ def test_best_fit_prefers_the_smallest_chunk_that_fits():
     assert m.in_use == 8 * MIB
 
 
+def test_zero_bytes_is_no_allocation():
+    with pytest.raises(ValueError, match="positive size"):
+        BFCModel().allocate(0)
+    assert replay([(True, "a", 0), (False, "a", 0)]) == {"requested_peak_bytes": 0,
+                                                        "held_peak_bytes": 0}
+
+
 def test_free_of_unknown_address_raises():
     m = BFCModel()
     a = m.allocate(MIB)

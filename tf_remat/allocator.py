@@ -79,6 +79,8 @@ class BFCModel:
     def allocate(self, nbytes: int) -> int:
         """Place a request; returns its chunk's address (the handle :meth:`free` takes)."""
         nbytes = int(nbytes)
+        if nbytes <= 0:  # TensorFlow's allocator returns no memory for these either
+            raise ValueError(f"cannot allocate {nbytes} bytes; give a positive size")
         size = _rounded(nbytes)
         addr = self._find(size)
         if addr is None:
@@ -192,7 +194,8 @@ def replay(events: Iterable, *, warm_runs: int = 1, model: BFCModel | None = Non
             if alloc:
                 if key in live:  # its free was not recorded: keep the books straight
                     m.free(live.pop(key))
-                live[key] = m.allocate(nbytes)
+                if nbytes > 0:
+                    live[key] = m.allocate(nbytes)
             elif key in live:
                 m.free(live.pop(key))
         out = {"requested_peak_bytes": int(m.peak_requested - base_req),
