@@ -34,8 +34,7 @@ __all__ = ["optimize", "OptimizedStep", "detach", "measure_step_peak", "step_all
 #: attempts at meeting the budget as measured (each solves again with a lower budget)
 _MAX_ATTEMPTS = 6
 #: re-solves after the first share this many ``time_limit``s in all once a step within the
-#: budget exists; before that, meeting the budget comes first. When the share is spent and the
-#: best step is within the budget but not the margin, one more re-solve of _RESOLVE_LIMIT runs
+#: budget exists; before that, meeting the budget comes first
 _RESOLVE_SHARE = 1.0
 #: ... and each (once a step within the budget exists) gets at most this share of one: on
 #: CPUs where the measured peak runs 20-30% over the simulated one (kernel scratch space in
@@ -112,9 +111,8 @@ def optimize(model, budget_gb: float | None = None, *, budget_bytes: int | None 
         time_limit: seconds the solver may take for the first plan. When the measured check
             sends it back, each re-solve gets a quarter of that, and the re-solves stop once they
             have spent one more ``time_limit`` in all, if a step within the budget was found
-            by then; one more quarter when that step is within the budget but not the
-            verification margin (so solving takes about 2 to 2.25 x ``time_limit`` at most;
-            up to 2.25 x while no step within the budget is found). None: no limit.
+            by then (so solving takes about 2 x ``time_limit`` at most; up to 2.25 x while no
+            step within the budget is found). None: no limit.
         verbose: 0 silent; 1 progress and a summary line.
         cost_model: ``"profile"`` (measure each op here, cached) or ``"flops"``.
         verify: run the rewritten step (variables saved and restored) in four allocator
@@ -488,7 +486,6 @@ class OptimizedStep:
         plan = None
         limit = o["time_limit"]
         resolve_left = None if limit is None else _RESOLVE_SHARE * limit
-        extra_used = False  # the one re-solve past that share (see below)
         # a given plan is for the training step at the spec's batch size (its graph)
         given = None
         if o.get("plan") is not None and apply_updates and batch == _first_dim(self.input_spec):
@@ -502,19 +499,11 @@ class OptimizedStep:
             met = best is not None and best.measured["step_peak_bytes"] <= budget
             if attempt and limit is not None and met:
                 if resolve_left < max(1.0, 0.05 * limit):
-                    # the best step is within the budget but not the margin (it would have
-                    # been accepted), and the margin is what other histories take: one more
-                    # short solve for it (the mixed_bfloat16 model at 70%: its one re-solve
-                    # ran the whole limit before any step met the budget, the step kept at
-                    # 0.98 of it measured 1.05 beside fragmented memory)
-                    if extra_used:
-                        if verbose:
-                            print(f"tf-remat: re-solve time ({_RESOLVE_SHARE * limit:g} s) "
-                                  f"spent; keeping the best step within the budget after "
-                                  f"{attempt} attempt(s)", file=sys.stderr, flush=True)
-                        break
-                    extra_used = True
-                    resolve_left = _RESOLVE_LIMIT * limit
+                    if verbose:
+                        print(f"tf-remat: re-solve time ({_RESOLVE_SHARE * limit:g} s) "
+                              f"spent; keeping the best step within the budget after "
+                              f"{attempt} attempt(s)", file=sys.stderr, flush=True)
+                    break
                 this_limit = min(_RESOLVE_LIMIT * limit, resolve_left)
             ts = time.perf_counter()
             from_given = attempt == 0 and given is not None
