@@ -1,4 +1,4 @@
-"""The BFC allocator model: TensorFlow's placement rules, and the held peak of a plan."""
+"""The BFC allocator model: TensorFlow's placement rules, and replaying a step through them."""
 
 import dataclasses
 import random

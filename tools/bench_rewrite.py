@@ -290,8 +290,8 @@ def _emit(row, name):
 def table(results) -> str:
     lines = ["| model | batch | plain peak MiB | budget | budget MiB | status | simulated MiB | "
              "measured MiB | meas/budget | meas vs sim | requested MiB | req vs sim | held MiB | "
-             "empty-pool held MiB | overhead pred | static + recompute pred | overhead meas | diff (pts) | "
-             "static meas | recompute meas | copies' kernels | grad err | attempts |",
+             "empty-pool held MiB | overhead pred | static + recompute pred | overhead meas | "
+             "diff (pts) | static meas | recompute meas | copies' kernels | grad err | attempts |",
              "|---" * 23 + "|"]
     for res in results:
         if "error" in res:
@@ -321,7 +321,8 @@ def table(results) -> str:
                 f"{meas / r['budget']:.2f}{'' if within else ' **over**'} | "
                 f"{100 * (meas / sim - 1):+.1f}%{'' if close else ' **miss**'} | "
                 f"{_mib(req)} | {_pct(req, sim)} | {_mib(r.get('held_peak'))} | "
-                f"{_mib(r.get('fresh_held_peak'))} | {100 * r['predicted_overhead']:.1f}% | {parts} | "
+                f"{_mib(r.get('fresh_held_peak'))} | "
+                f"{100 * r['predicted_overhead']:.1f}% | {parts} | "
                 f"{100 * r['measured_overhead']:.1f}% | "
                 f"{dpts:+.1f}{'' if abs(dpts) <= 10 else ' **miss**'} | "
                 f"{100 * r['static_overhead']:+.1f}% | {100 * r['recompute_overhead']:.1f}% | "
