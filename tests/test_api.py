@@ -654,3 +654,54 @@ def test_regularizers_and_nesterov_momentum_train_as_keras_does(explicit_loss):
     assert np.allclose(ours, keras_loss, rtol=1e-5), (ours, keras_loss)
     for a, b in zip(w1, w2):
         assert close(a, b, max(1.0, float(np.abs(a).max()))), np.abs(a - b).max()
+
+
+def bn_net(loss):
+    """Convolutions, BatchNorm and a residual skip, no dropout: Keras's step and a rewritten
+    one compute the same function, so their updates can be compared weight by weight."""
+    keras.utils.set_random_seed(5)
+    inp = keras.Input((16, 16, 3))
+    h = keras.layers.Conv2D(16, 3, padding="same", use_bias=False)(inp)
+    h = keras.layers.ReLU()(keras.layers.BatchNormalization()(h))
+    for _ in range(2):
+        r = keras.layers.Conv2D(16, 3, padding="same", activation="relu")(h)
+        h = keras.layers.Add()([h, keras.layers.BatchNormalization()(r)])
+    out = keras.layers.Dense(10)(keras.layers.GlobalAveragePooling2D()(h))
+    model = keras.Model(inp, out)
+    model.compile(loss=loss, optimizer=keras.optimizers.SGD(0.1, momentum=0.9))
+    model.optimizer.build(model.trainable_variables)
+    return model
+
+
+def mid_budget(model, xs, ys):
+    from tf_remat.extract import extract
+
+    g = extract(model, input_spec=xs, label_spec=ys, cost_model="flops", verbose=0).graph
+    return (g.budget_lower_bound + g.no_remat_peak) // 2
+
+
+def test_a_loss_given_by_name_is_the_batch_mean_as_in_compile():
+    """``loss="mse"``: Keras's ``losses.get`` gives the per-sample function, and a step that
+    differentiated its vector would take the batch's sum, ``batch`` times Keras's gradient;
+    ``optimize`` wraps it as ``compile`` does."""
+    model = bn_net("mse")
+    xs, ys = tf.TensorSpec((32, 16, 16, 3)), tf.TensorSpec((32, 10))
+    step = tf_remat.optimize(model, budget_bytes=mid_budget(model, xs, ys), input_spec=xs,
+                             label_spec=ys, loss="mse", verify=False, attach=False, **FAST)
+    assert step.report["recomputed_nodes"] > 0
+    x = tf.random.stateless_normal(xs.shape, seed=(1, 1))
+    y = tf.random.stateless_normal(ys.shape, seed=(2, 2))
+    snap = Snapshot(list(model.variables) + list(model.optimizer.variables))
+    try:
+        keras_loss = [float(model.train_on_batch(x, y)) for _ in range(2)]
+        w1 = snap.now()
+        snap.restore()
+        ours = [step(x, y) for _ in range(2)]
+        w2 = snap.now()
+    finally:
+        snap.restore()
+    assert all(t.shape == () for t in ours)
+    assert np.allclose([float(t) for t in ours], keras_loss, rtol=1e-5), (ours, keras_loss)
+    for a, b in zip(w1, w2):
+        assert close(a, b, max(1.0, float(np.abs(a).max()))), np.abs(a - b).max()
+

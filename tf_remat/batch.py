@@ -74,6 +74,7 @@ def _probe(build, batch, budget, *, remat, strategy, time_limit, verbose, cost_m
     import keras
 
     from tf_remat.api import _synthetic_batch, measure_step_peak
+    from tf_remat.extract import keras_loss
     from tf_remat.errors import InfeasibleBudgetError, RematError
 
     keras.backend.clear_session()
@@ -108,7 +109,7 @@ def _probe(build, batch, budget, *, remat, strategy, time_limit, verbose, cost_m
     else:
         opt = model.optimizer
         opt.build(model.trainable_variables)
-        loss_fn = model.loss if callable(model.loss) else keras.losses.get(model.loss)
+        loss_fn = keras_loss(model.loss)
         step = _plain_step(model, loss_fn, opt)
         variables = [getattr(v, "value", v) for v in list(model.variables) + list(opt.variables)]
         peak = measure_step_peak(step, x, y, variables=variables)["step_peak_bytes"]

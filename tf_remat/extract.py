@@ -874,18 +874,39 @@ def _safe_name(name):
 
 
 def _resolve_loss(model, loss):
-    import keras
-
     if loss is None:
         if getattr(model, "_compile_loss", None) is not None or getattr(model, "loss", None):
             return model.compute_loss, True
         raise UnsupportedOpError("no loss: pass loss=... or compile the model with one "
                                  "(model.compile(optimizer='adam', loss=...))")
-    if isinstance(loss, str) or isinstance(loss, dict):
-        loss = keras.losses.get(loss)
-    if not callable(loss):
-        raise UnsupportedOpError(f"loss {loss!r} is not callable")
-    return loss, False
+    return keras_loss(loss), False
+
+
+def keras_loss(identifier):
+    """A loss as ``model.compile(loss=identifier)`` would use it: a ``keras.losses.Loss`` that
+    reduces to the batch mean. ``keras.losses.get("mse")`` is the per-sample function, whose
+    gradient would be the batch's sum (``batch`` times Keras's); compile wraps such functions
+    (and any other callable) in a ``Loss``, and so does this."""
+    import keras
+
+    name = identifier if isinstance(identifier, str) else None
+    if isinstance(identifier, (str, dict)):
+        try:
+            identifier = keras.losses.get(identifier)
+        except ValueError as exc:
+            raise UnsupportedOpError(f"unknown loss {name or identifier!r}: {exc}") from exc
+    if isinstance(identifier, keras.losses.Loss):
+        return identifier
+    if not callable(identifier):
+        raise UnsupportedOpError(f"loss {identifier!r} is not callable")
+    fn = identifier
+
+    class _Wrapped(keras.losses.Loss):
+        # Loss.__call__ does the rest: the batch mean, sample weights, masks and dtypes
+        def call(self, y_true, y_pred):
+            return fn(y_true, y_pred)
+
+    return _Wrapped(name=name or getattr(fn, "__name__", "loss"))
 
 
 def _num_classes(traced):
