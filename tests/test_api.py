@@ -170,9 +170,9 @@ def test_fit_uses_the_rewritten_step(tmp_path):
     calls = []
     original_run = step.__class__._run
 
-    def counting_run(self, a, b):
+    def counting_run(self, a, b, *rest):
         calls.append(int(a.shape[0]))
-        return original_run(self, a, b)
+        return original_run(self, a, b, *rest)
 
     step.__class__._run = counting_run
     try:
@@ -705,3 +705,66 @@ def test_a_loss_given_by_name_is_the_batch_mean_as_in_compile():
     for a, b in zip(w1, w2):
         assert close(a, b, max(1.0, float(np.abs(a).max()))), np.abs(a - b).max()
 
+
+@pytest.mark.parametrize("declared", [False, True])
+def test_sample_and_class_weights_train_as_keras_does(declared):
+    """``model.fit(class_weight=...)`` and ``sample_weight=``: the loss, BatchNorm statistics
+    and weights after an epoch equal Keras's own fit from the same state, and the weighted
+    gradients equal the tape's of ``compute_loss(sample_weight=...)``. Declared up front
+    (``sample_weight_spec``), one plan serves weighted and unweighted calls; else the first
+    weighted batch gets its own."""
+    model = bn_net(keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    xs, ys = tf.TensorSpec((32, 16, 16, 3)), tf.TensorSpec((32,), tf.int32)
+    step = tf_remat.optimize(model, budget_bytes=mid_budget(model, xs, ys), input_spec=xs,
+                             label_spec=ys, verify=False, attach=False,
+                             sample_weight_spec=tf.TensorSpec((32,)) if declared else None,
+                             **FAST)
+    assert step.report["recomputed_nodes"] > 0
+    x, y = data(xs, ys, n=64, seed=6)
+    sw = np.linspace(0.1, 3.0, 64).astype("float32")
+    cw = {i: 0.25 + 0.5 * i for i in range(10)}
+
+    g = step.gradients(tf.constant(x[:32]), tf.constant(y[:32]), sample_weight=sw[:32])
+    with tf.GradientTape() as tape:
+        ref = model.compute_loss(x=x[:32], y=y[:32], y_pred=model(x[:32], training=True),
+                                 sample_weight=sw[:32])
+    g_ref = tape.gradient(ref, model.trainable_variables)
+    scale = max(float(np.abs(a).max()) for a in g_ref)
+    for a, b in zip(g_ref, g):
+        assert close(a.numpy(), b.numpy(), scale), np.abs(a.numpy() - b.numpy()).max()
+
+    snap = Snapshot(list(model.variables) + list(model.optimizer.variables))
+    fit = dict(batch_size=32, epochs=1, verbose=0, shuffle=False)
+    try:
+        for weights in (dict(class_weight=cw), dict(sample_weight=sw)):
+            snap.restore()
+            h1 = model.fit(x, y, **weights, **fit).history["loss"]
+            w1 = snap.now()
+            snap.restore()
+            step.attach()
+            try:
+                h2 = model.fit(x, y, **weights, **fit).history["loss"]
+                assert model.train_function == step._keras_train_function
+            finally:
+                step.detach()
+            w2 = snap.now()
+            assert np.allclose(h1, h2, rtol=1e-5), (weights, h1, h2)
+            for a, b in zip(w1, w2):
+                assert close(a, b, max(1.0, float(np.abs(a).max()))), np.abs(a - b).max()
+        # and the unweighted step is not the weighted one: the weights change the loss
+        assert not np.isclose(float(step(tf.constant(x[:32]), tf.constant(y[:32]))),
+                              float(ref), rtol=1e-3)
+    finally:
+        snap.restore()
+    keys = set(step._train)
+    assert keys == ({(32, ((32,), "float32"))} if declared
+                    else {(32, None), (32, ((32,), "float32"))}), keys
+
+
+def test_sample_weight_spec_must_be_a_spec_with_a_batch_dimension():
+    model = bn_net("mse")
+    xs, ys = tf.TensorSpec((8, 16, 16, 3)), tf.TensorSpec((8, 10))
+    for bad in ((8,), tf.TensorSpec(()), tf.TensorSpec((None,))):
+        with pytest.raises(ValueError, match="sample_weight_spec"):
+            tf_remat.optimize(model, budget_gb=1.0, input_spec=xs, label_spec=ys,
+                              sample_weight_spec=bad, **FAST)

@@ -26,7 +26,7 @@ import warnings
 from typing import Any
 
 from tf_remat._units import format_bytes
-from tf_remat.errors import InfeasibleBudgetError, RematError, UnsupportedOpError
+from tf_remat.errors import InfeasibleBudgetError, RematError
 
 __all__ = ["optimize", "OptimizedStep", "detach", "measure_step_peak", "step_allocations",
            "solve_isolated"]
@@ -95,7 +95,8 @@ def optimize(model, budget_gb: float | None = None, *, budget_bytes: int | None 
              input_spec, label_spec, loss=None, optimizer=None, strategy="auto",
              time_limit: float | None = 60.0, verbose: int = 1, cost_model: str = "profile",
              verify: bool = True, attach: bool = True, chain: str = "node",
-             plan=None, time_order: bool = True) -> "OptimizedStep":
+             plan=None, time_order: bool = True,
+             sample_weight_spec=None) -> "OptimizedStep":
     """Rematerialize ``model``'s training step to fit ``budget_gb`` GiB of peak memory.
 
     Args:
@@ -135,6 +136,11 @@ def optimize(model, budget_gb: float | None = None, *, budget_bytes: int | None 
             order costs time by itself, since TensorFlow no longer runs independent ops side
             by side, and the solver's costs do not see it. ``report["predicted_overhead"]`` then counts it
             with the recomputation (see :class:`OptimizedStep`).
+        sample_weight_spec: a ``tf.TensorSpec`` of per-sample weights (``(batch,)`` for
+            ``model.fit(class_weight=...)``): the step solved here weighs the loss by them, as
+            ``model.fit(sample_weight=...)`` does, so ``fit`` with weights trains with it (a
+            call without weights runs it with weights of one, which weigh as none). Without
+            it, the first step called with weights gets its own plan, solved then.
 
     Returns:
         An :class:`OptimizedStep`: ``step(x, y)`` runs one training step (optimizer update
@@ -161,9 +167,11 @@ def optimize(model, budget_gb: float | None = None, *, budget_bytes: int | None 
     budget = _budget_bytes(budget_gb, budget_bytes)
     strategy = _resolve_strategy(strategy, verbose)
     given = _given_plan(plan)  # a missing or malformed file fails before any tracing
+    if sample_weight_spec is not None:
+        sample_weight_spec = _weight_spec(sample_weight_spec)
     opts = dict(loss=loss, optimizer=optimizer, strategy=strategy, time_limit=time_limit,
                 verbose=verbose, cost_model=cost_model, verify=verify, chain=chain, plan=given,
-                time_order=time_order)
+                time_order=time_order, sample_weight_spec=sample_weight_spec)
     step = OptimizedStep(model, budget, input_spec, label_spec, opts)
     step._primary()  # extract, solve, rewrite, verify; raises before any change to the model
     if verbose:
@@ -222,21 +230,23 @@ class OptimizedStep:
         self.input_spec = input_spec
         self.label_spec = label_spec
         self._opts = opts
-        self._train = {}     # batch size -> _Built (with the optimizer update)
-        self._grads = {}     # batch size -> _Built (gradients only)
+        # (batch size, the weights' shape and dtype or None) -> _Built
+        self._train = {}     # with the optimizer update
+        self._grads = {}     # gradients only
         self._attached = False
         self._warned = set()
 
     # ------------------------------------------------------------ public
-    def __call__(self, x, y):
-        """One training step on ``(x, y)`` (optimizer update included); returns the loss."""
-        return self._run(x, y)[0]
+    def __call__(self, x, y, sample_weight=None):
+        """One training step on ``(x, y)`` (optimizer update included); returns the loss.
+        ``sample_weight``: per-sample weights of the loss, as in ``model.fit``."""
+        return self._run(x, y, sample_weight)[0]
 
-    def _run(self, x, y):
+    def _run(self, x, y, sample_weight=None):
         """One training step; ``(loss, y_pred or None)`` (y_pred when the model has compiled
         metrics: the step then returns the model's outputs too)."""
-        b = self._built_for(x, apply_updates=True)
-        out = b.step(*self._cast(x, y))
+        b, args = self._prepare(x, y, sample_weight, apply_updates=True)
+        out = b.step(*args)
         traced = b.extraction.traced
         if not traced.n_predictions:
             return out, None
@@ -244,14 +254,16 @@ class OptimizedStep:
 
         return out[0], tf.nest.pack_sequence_as(traced.predictions, list(out[1:]))
 
-    def gradients(self, x, y) -> list:
-        """Gradients of the loss on ``(x, y)``, aligned with ``model.trainable_variables``.
+    def gradients(self, x, y, sample_weight=None) -> list:
+        """Gradients of the loss on ``(x, y)`` (weighted by ``sample_weight``, when given),
+        aligned with ``model.trainable_variables``.
 
         The variables are not updated by the optimizer; the forward pass's own state updates
         (BatchNorm moving statistics, dropout seed) happen, as in a training step. Built (and
         solved within the same budget) on first use.
         """
-        out = self._built_for(x, apply_updates=False).step(*self._cast(x, y))
+        b, args = self._prepare(x, y, sample_weight, apply_updates=False)
+        out = b.step(*args)
         return list(out[1:])
 
     @property
@@ -325,7 +337,10 @@ class OptimizedStep:
         TensorFlow's measured peak (see :func:`measure_step_peak`)."""
         b = self._primary()
         if x is None or y is None:
-            x, y = _synthetic_batch(self.input_spec, self.label_spec)
+            x, y = _synthetic_batch(*self._specs(_first_dim(self.input_spec),
+                                                 self._opts.get("sample_weight_spec")))
+        else:
+            x, y = self._prepare(x, y, None, apply_updates=True)[1]
         return measure_step_peak(b.step, x, y, variables=b.extraction.traced.variables,
                                  runs=runs)
 
@@ -337,8 +352,9 @@ class OptimizedStep:
         takes each batch from the iterator, runs the rewritten step (a batch of another size,
         such as the last partial one, gets its own plan within the same budget, built on first
         use) and updates the model's loss tracker and compiled metrics (the step returns the
-        model's outputs when the model was compiled with metrics). Sample weights and class
-        weights are not supported.
+        model's outputs when the model was compiled with metrics). With ``sample_weight=`` or
+        ``class_weight=``, the step weighs the loss as Keras's does; unless ``optimize`` was
+        given ``sample_weight_spec``, its plan is solved at the first weighted batch.
         """
         model = self.model
         old = getattr(model, "_tf_remat_step", None)
@@ -395,18 +411,13 @@ class OptimizedStep:
                     raise StopIteration
                 break
             x, y, sw = data_adapter_utils.unpack_x_y_sample_weight(data)
-            if sw is not None:
-                raise UnsupportedOpError(
-                    "tf-remat's rewritten step does not take sample weights (sample_weight= or "
-                    "class_weight= in fit); call tf_remat.detach(model) to train with Keras's "
-                    "own step")
-            loss, y_pred = self._run(x, y)
+            loss, y_pred = self._run(x, y, sw)
             tracker = getattr(model, "_loss_tracker", None)
             if tracker is not None:
                 n = tf.shape(tf.nest.flatten(x)[0])[0]
                 tracker.update_state(loss, sample_weight=n)
             if y_pred is not None:
-                metrics = model.compute_metrics(x, y, y_pred)
+                metrics = model.compute_metrics(x, y, y_pred, sample_weight=sw)
         if y_pred is not None:
             return metrics
         tracker = getattr(model, "_loss_tracker", None)
@@ -419,23 +430,57 @@ class OptimizedStep:
         return self._primary().extraction.traced.optimizer
 
     def _primary(self) -> _Built:
-        return self._get(_first_dim(self.input_spec), apply_updates=True)
+        batch = _first_dim(self.input_spec)
+        return self._get(batch, apply_updates=True,
+                         weights=self._specs(batch, self._opts.get("sample_weight_spec"))[2])
 
-    def _built_for(self, x, *, apply_updates):
-        return self._get(_batch_of(x), apply_updates=apply_updates)
+    def _prepare(self, x, y, sample_weight, *, apply_updates):
+        """The step for this batch (and these weights, if any), and its arguments."""
+        import tensorflow as tf
 
-    def _get(self, batch, *, apply_updates) -> _Built:
+        batch = _batch_of(x)
+        x, y = self._cast(x, y)
+        weights = None
+        if sample_weight is not None:
+            sw = tf.convert_to_tensor(sample_weight)
+            if not sw.dtype.is_floating:
+                sw = tf.cast(sw, tf.float32)
+            weights = tf.TensorSpec(sw.shape, sw.dtype)
+        elif self._opts.get("sample_weight_spec") is not None:
+            # weights of one weigh as none (Keras's reductions divide by the count, or by the
+            # weights' sum), so the step solved with weights serves unweighted calls too
+            weights = self._specs(batch, self._opts["sample_weight_spec"])[2]
+            sw = tf.ones(weights.shape, weights.dtype)
+        b = self._get(batch, apply_updates=apply_updates, weights=weights)
+        return b, ((x, y) if weights is None else (x, (y, sw)))
+
+    def _specs(self, batch, weights=None):
+        """``(input_spec, label_spec, weights)`` at this batch size; with weights, the label
+        spec is the pair the weighted step takes."""
+        from tf_remat.extract import _with_batch
+
+        ispec = _with_batch(self.input_spec, batch)
+        lspec = _with_batch(self.label_spec, batch)
+        if weights is None:
+            return ispec, lspec, None
+        weights = _with_batch(weights, batch)
+        return ispec, (lspec, weights), weights
+
+    def _get(self, batch, *, apply_updates, weights=None) -> _Built:
         cache = self._train if apply_updates else self._grads
-        if batch not in cache:
+        key = (batch, None if weights is None
+               else (tuple(weights.shape.as_list()), weights.dtype.name))
+        if key not in cache:
             if cache and self._opts["verbose"]:
-                print(f"tf-remat: batch size {batch} (a plan within the same budget is built "
-                      f"for it)", file=sys.stderr, flush=True)
-            cache[batch] = self._build(batch, apply_updates)
-        return cache[batch]
+                what = f"batch size {batch}" + ("" if weights is None else
+                                                f", sample weights of shape {key[1][0]}")
+                print(f"tf-remat: {what} (a plan within the same budget is built for it)",
+                      file=sys.stderr, flush=True)
+            cache[key] = self._build(batch, apply_updates, weights)
+        return cache[key]
 
-    def _build(self, batch, apply_updates) -> _Built:
-        from tf_remat.extract import (_with_batch, current_device_kind, extract,
-                                      memory_stats_missing)
+    def _build(self, batch, apply_updates, weights=None) -> _Built:
+        from tf_remat.extract import current_device_kind, extract, memory_stats_missing
         from tf_remat.rewrite import rewrite
 
         o = self._opts
@@ -447,12 +492,15 @@ class OptimizedStep:
             self._warn_once("unverified", f"tf-remat: the plan is not verified by measurement. "
                                           f"{unmeasurable}")
         t0 = time.perf_counter()
-        ispec = _with_batch(self.input_spec, batch)
-        lspec = _with_batch(self.label_spec, batch)
+        ispec, lspec, weights = self._specs(batch, weights)
+        # the plan given and the static order's timing are for the step optimize() builds
+        primary = apply_updates and batch == _first_dim(self.input_spec) and (
+            (weights is None) == (o.get("sample_weight_spec") is None))
         ex = extract(self.model, input_spec=ispec, label_spec=lspec, loss=o["loss"],
                      optimizer=o["optimizer"], cost_model=o["cost_model"], verbose=verbose,
                      apply_updates=apply_updates,
-                     return_predictions=apply_updates and _has_compiled_metrics(self.model))
+                     return_predictions=apply_updates and _has_compiled_metrics(self.model),
+                     weighted=weights is not None)
         t1 = time.perf_counter()
         graph = ex.graph
         budget = self.budget_bytes
@@ -488,7 +536,7 @@ class OptimizedStep:
         resolve_left = None if limit is None else _RESOLVE_SHARE * limit
         # a given plan is for the training step at the spec's batch size (its graph)
         given = None
-        if o.get("plan") is not None and apply_updates and batch == _first_dim(self.input_spec):
+        if o.get("plan") is not None and primary:
             given = _adopt_plan(o["plan"], graph, budget)
         for attempt in range(_MAX_ATTEMPTS if o["verify"] else 1):
             this_limit = limit
@@ -610,7 +658,7 @@ class OptimizedStep:
                 + (f". {_loops_note(loops)}" if loops else ""),
                 budget=budget, min_feasible=m, plan=best.plan)
         best = accepted
-        if o.get("time_order") and apply_updates and batch == _first_dim(self.input_spec):
+        if o.get("time_order") and primary:
             tt = time.perf_counter()
             try:
                 best.order = _time_static_order(ex, o["chain"], ispec, lspec)
@@ -1023,6 +1071,22 @@ def _has_compiled_metrics(model) -> bool:
     if cm is None:
         return False
     return bool(getattr(cm, "_user_metrics", None) or getattr(cm, "_user_weighted_metrics", None))
+
+
+def _weight_spec(spec):
+    """``optimize``'s ``sample_weight_spec`` as a floating ``tf.TensorSpec`` with the batch
+    dimension first; a clear error otherwise."""
+    import tensorflow as tf
+
+    if not isinstance(spec, tf.TensorSpec):
+        raise ValueError(f"sample_weight_spec must be a tf.TensorSpec, such as "
+                         f"tf.TensorSpec((batch,)), got {spec!r}")
+    if spec.shape.rank is None or spec.shape.rank < 1 or not spec.shape.is_fully_defined():
+        raise ValueError(f"sample_weight_spec needs a known shape with the batch dimension "
+                         f"first, such as tf.TensorSpec((batch,)); got {spec}")
+    if not spec.dtype.is_floating:
+        spec = tf.TensorSpec(spec.shape, tf.float32)
+    return spec
 
 
 def _first_dim(spec) -> int:

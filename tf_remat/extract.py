@@ -154,6 +154,8 @@ class TracedStep:
         predictions: with ``return_predictions``, the structure of ``y_pred`` (symbolic tensors
             of ``function.graph``); the step returns ``(loss, *tf.nest.flatten(y_pred))``
             (after the gradients, if any); None otherwise.
+        weighted: whether the labels are ``(y, sample_weight)`` (see
+            :func:`trace_training_step`).
     """
 
     function: Any
@@ -170,6 +172,7 @@ class TracedStep:
     label_ops: tuple = ()
     phase_marks: tuple = (0, 0)
     predictions: Any = None
+    weighted: bool = False
 
     @property
     def n_predictions(self) -> int:
@@ -307,7 +310,8 @@ def op_map_path(graph_path: str | os.PathLike) -> str:
 # --------------------------------------------------------------------- public API
 def trace_training_step(model, input_spec, label_spec, *, loss=None, optimizer=None,
                         apply_updates: bool = True, return_predictions: bool = False,
-                        conv_gradients: str | None = None) -> TracedStep:
+                        conv_gradients: str | None = None,
+                        weighted: bool = False) -> TracedStep:
     """Trace one training step of ``model`` as a ``tf.function`` with fixed input shapes.
 
     Args:
@@ -325,6 +329,9 @@ def trace_training_step(model, input_spec, label_spec, *, loss=None, optimizer=N
             default); ``"tensorflow"`` traces the step exactly as Keras runs it: TensorFlow's
             convolution gradients, and no broadcast gradients sunk into their readers
             (:func:`_sink_broadcasts`, done otherwise).
+        weighted: the labels are a pair ``(y, sample_weight)`` and the loss weighs each sample
+            as ``model.fit(sample_weight=...)`` (or ``class_weight=``) would: ``label_spec`` is
+            then ``(spec of y, spec of the weights)``.
 
     Returns:
         A :class:`TracedStep`. Nothing is run, and no variable changes value.
@@ -368,11 +375,21 @@ def trace_training_step(model, input_spec, label_spec, *, loss=None, optimizer=N
         ops_now = tf.compat.v1.get_default_graph().get_operations()
         return max((op._id for op in ops_now), default=0)  # noqa: SLF001 (ids are monotone)
 
+    if weighted and not (isinstance(label_spec, (tuple, list)) and len(label_spec) == 2):
+        raise UnsupportedOpError("weighted=True takes label_spec as a pair (spec of the labels, "
+                                 "spec of the sample weights)")
+
     def step(x, y):
+        sw = None
+        if weighted:
+            y, sw = y
         with tf.GradientTape() as tape:
             y_pred = model(x, training=True)
             if compiled_loss:
-                value = model.compute_loss(x=x, y=y, y_pred=y_pred, training=True)
+                value = model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sw,
+                                           training=True)
+            elif weighted:
+                value = loss_fn(y, y_pred, sample_weight=sw)
             else:
                 value = loss_fn(y, y_pred)
                 if model.losses:
@@ -429,18 +446,18 @@ def trace_training_step(model, input_spec, label_spec, *, loss=None, optimizer=N
                       apply_updates=apply_updates, captures=captures,
                       input_ops=tuple(placeholders[:n_x]), label_ops=tuple(placeholders[n_x:]),
                       phase_marks=(marks.get("forward", 0), marks.get("backward", 0)),
-                      predictions=marks.get("predictions"))
+                      predictions=marks.get("predictions"), weighted=weighted)
 
 
 def extract(model, *, input_spec, label_spec, loss=None, optimizer=None,
             cost_model: str = "profile", batch_size: int | None = None, verbose: int = 1,
             apply_updates: bool = True, name: str | None = None,
-            return_predictions: bool = False) -> Extraction:
+            return_predictions: bool = False, weighted: bool = False) -> Extraction:
     """Trace a training step and turn it into a costed solver :class:`Graph` plus its op map.
 
     Args:
-        model, input_spec, label_spec, loss, optimizer, apply_updates, return_predictions: as
-            in :func:`trace_training_step`.
+        model, input_spec, label_spec, loss, optimizer, apply_updates, return_predictions,
+            weighted: as in :func:`trace_training_step`.
         cost_model: ``"profile"`` (each node's ops measured on the current device, GPU if
             TensorFlow sees one, cached on disk; see :mod:`tf_remat.profile`) or ``"flops"`` (an
             estimate from FLOPs and bytes moved, no measurement; coarse, for machines where
@@ -466,7 +483,7 @@ def extract(model, *, input_spec, label_spec, loss=None, optimizer=None,
     t0 = time.perf_counter()
     traced = trace_training_step(model, input_spec, label_spec, loss=loss, optimizer=optimizer,
                                  apply_updates=apply_updates,
-                                 return_predictions=return_predictions)
+                                 return_predictions=return_predictions, weighted=weighted)
     t1 = time.perf_counter()
     analysis = _Analysis(traced)
     op_map, graph_fields = analysis.build()
