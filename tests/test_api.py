@@ -6,6 +6,8 @@ kernel's scratch space stays whole in the budget (see ``budget_at``). Tolerances
 ``test_rewrite`` (see its docstring).
 """
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -768,3 +770,35 @@ def test_sample_weight_spec_must_be_a_spec_with_a_batch_dimension():
         with pytest.raises(ValueError, match="sample_weight_spec"):
             tf_remat.optimize(model, budget_gb=1.0, input_spec=xs, label_spec=ys,
                               sample_weight_spec=bad, **FAST)
+
+
+def test_an_overridden_train_step_is_named_in_a_warning():
+    """The rewritten step is traced from call, compute_loss and the optimizer, as Keras's own
+    train_step runs them; a model that overrides train_step must hear that its code is not
+    what fit will run. An override of compute_loss is what the step runs."""
+    class Custom(keras.Model):
+        def train_step(self, data):
+            return super().train_step(data)
+
+    class Penalized(keras.Model):
+        def compute_loss(self, *args, **kwargs):
+            return super().compute_loss(*args, **kwargs) + 10.0
+
+    xs, ys = tf.TensorSpec((8, 16)), tf.TensorSpec((8,), tf.int32)
+    for cls, warned in ((Custom, True), (Penalized, False)):
+        keras.utils.set_random_seed(1)
+        inp = keras.Input((16,))
+        model = cls(inp, keras.layers.Dense(10)(keras.layers.Dense(32)(inp)))
+        model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      optimizer="sgd")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            step = tf_remat.optimize(model, budget_gb=1.0, input_spec=xs, label_spec=ys,
+                                     verify=False, attach=False, **FAST)
+        named = [w for w in caught if "overrides train_step" in str(w.message)]
+        assert bool(named) == warned, [str(w.message) for w in caught]
+        if warned:
+            assert "Custom" in str(named[0].message)
+        else:
+            x, y = tf.zeros((8, 16)), tf.zeros((8,), tf.int32)
+            assert float(step(x, y)) > 10.0

@@ -507,6 +507,18 @@ class OptimizedStep:
         loops = ex.info.get("loops") or []
         if loops:
             self._warn_once("loops", f"tf-remat: {_loops_note(loops)}")
+        custom = _custom_train_step(self.model)
+        if custom:
+            # what the step runs is traced from the model's call, compute_loss and optimizer,
+            # as Keras's own train_step runs them; code in an override would be skipped silently
+            self._warn_once("train_step", f"tf-remat: {custom} overrides train_step; the "
+                                          f"rewritten step (and model.fit with it attached) "
+                                          f"runs Keras's default step instead: model(x, "
+                                          f"training=True), compute_loss (which may be "
+                                          f"overridden), the gradients and "
+                                          f"optimizer.apply_gradients. Put custom loss terms in "
+                                          f"compute_loss or add_loss, or optimize(..., "
+                                          f"attach=False) to keep fit on your train_step")
         if getattr(self.model, "compiled", False) and \
                 getattr(self.model, "jit_compile", False) is True:
             # XLA would reorder the plan's ops and merge its copies back into the originals
@@ -1063,6 +1075,15 @@ def _loops_note(loops) -> str:
             f"counts none of its memory, so only the measured check holds the budget. Give "
             f"the loop a static maximum_iterations (its memory is then counted) or unroll it "
             f"(for an RNN layer, unroll=True makes every time step ops the plan can schedule)")
+
+
+def _custom_train_step(model) -> str | None:
+    """The name of the class whose ``train_step`` overrides Keras's, or None."""
+    for cls in type(model).__mro__:
+        if "train_step" in vars(cls):
+            return None if cls.__module__.startswith(("keras.", "tf_keras.")) else \
+                cls.__qualname__
+    return None
 
 
 def _has_compiled_metrics(model) -> bool:
