@@ -682,6 +682,19 @@ def mid_budget(model, xs, ys):
     return (g.budget_lower_bound + g.no_remat_peak) // 2
 
 
+def test_a_loss_per_output_given_to_optimize_is_refused_with_the_way_to_pass_it():
+    from tf_remat.errors import UnsupportedOpError
+    from tf_remat.extract import keras_loss
+
+    for bad in ({"cls": "mse", "reg": "mae"}, ["mse", "mae"]):
+        with pytest.raises(UnsupportedOpError, match="compile the model"):
+            keras_loss(bad)
+    with pytest.raises(UnsupportedOpError, match="unknown loss 'msee'"):
+        keras_loss("msee")
+    # a serialized loss is one loss
+    assert keras_loss(keras.losses.serialize(keras.losses.Huber())).name == "huber_loss"
+
+
 def test_a_loss_given_by_name_is_the_batch_mean_as_in_compile():
     """``loss="mse"``: Keras's ``losses.get`` gives the per-sample function, and a step that
     differentiated its vector would take the batch's sum, ``batch`` times Keras's gradient;

@@ -907,6 +907,12 @@ def keras_loss(identifier):
     import keras
 
     name = identifier if isinstance(identifier, str) else None
+    if isinstance(identifier, (list, tuple)) or (isinstance(identifier, dict)
+                                                 and "class_name" not in identifier):
+        raise UnsupportedOpError(
+            f"a loss per output ({identifier!r}): compile the model with it "
+            f"(model.compile(loss=..., loss_weights=...)) and leave optimize's loss=None, so "
+            f"the step uses model.compute_loss as Keras's does")
     if isinstance(identifier, (str, dict)):
         try:
             identifier = keras.losses.get(identifier)
