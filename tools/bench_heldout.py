@@ -511,7 +511,7 @@ def _fragmented(step, x, y, big, seed=0):
         del held
 
 
-def run_case(name, fractions, time_limit, plans=None):
+def run_case(name, fractions, time_limit, plans=None, weighted=False):
     import numpy as np
     import tensorflow as tf
 
@@ -525,9 +525,17 @@ def run_case(name, fractions, time_limit, plans=None):
     keras.utils.set_random_seed(1)
     model, xs, ys = MODELS[name]()
     ref = trace_training_step(model, xs, ys, conv_gradients="tensorflow")
-    gref = trace_training_step(model, xs, ys, apply_updates=False, conv_gradients="tensorflow")
     xa, ya = _data(xs, ys, model)
     x, y = tf.constant(xa), tf.constant(ya)
+    # --weighted: the step solved with per-sample weights, checked against Keras's weighted
+    # step (the plain peak, and so the budget, stays the unweighted step's)
+    wspec = tf.TensorSpec((int(xs.shape[0]),)) if weighted else None
+    w = tf.constant(np.linspace(0.2, 2.0, int(xs.shape[0])), tf.float32) if weighted else None
+    gref = trace_training_step(model, xs, (ys, wspec) if weighted else ys, apply_updates=False,
+                               conv_gradients="tensorflow", weighted=weighted)
+    wref = trace_training_step(model, xs, (ys, wspec), conv_gradients="tensorflow",
+                               weighted=True) if weighted else ref
+    yw = (y, w) if weighted else y
     base_runs = [measure_step_peak(ref.function, x, y, variables=ref.variables)
                  for _ in range(3)]
     base = int(statistics.median(r["step_peak_bytes"] for r in base_runs))
@@ -543,7 +551,8 @@ def run_case(name, fractions, time_limit, plans=None):
         t0 = time.perf_counter()
         try:
             step = tf_remat.optimize(model, budget_bytes=budget, input_spec=xs, label_spec=ys,
-                                     time_limit=time_limit, verbose=0)
+                                     time_limit=time_limit, verbose=0,
+                                     sample_weight_spec=wspec)
         except InfeasibleBudgetError as exc:
             row.update(status="infeasible", min_feasible=exc.min_feasible,
                        seconds=time.perf_counter() - t0)
@@ -558,6 +567,7 @@ def run_case(name, fractions, time_limit, plans=None):
         row["fresh"] = max(step.measure(x, y)["step_peak_bytes"] for _ in range(3))
         # gradients and BatchNorm statistics against the plain step, same state and batch
         variables = list({id(v): v for v in list(ref.variables) + list(gref.variables) +
+                          list(wref.variables) +
                           list(step.rewritten.traced.variables)}.values())
         snap = [np.array(v.numpy(), copy=True) for v in variables]
 
@@ -565,18 +575,18 @@ def run_case(name, fractions, time_limit, plans=None):
             for v, s in zip(variables, snap):
                 v.assign(s)
 
-        g1 = [t.numpy() for t in gref.function(x, y)[1:]]
+        g1 = [t.numpy() for t in gref.function(x, yw)[1:]]
         restore()
-        g2 = [t.numpy() for t in step.gradients(x, y)]
+        g2 = [t.numpy() for t in step.gradients(x, y, sample_weight=w)]
         restore()
         scale = max(float(np.abs(g).max()) for g in g1)
         row["grad_err"] = max(float(np.abs(a - b).max()) for a, b in zip(g1, g2)) / scale
         if plans:  # to replay a row later: both plans and graphs (the step's, the gradients')
             _save_plans(step, plans, f"{name}_{round(100 * frac)}", int(xs.shape[0]))
-        ref.function(x, y)
+        wref.function(x, yw)
         s1 = [v.numpy() for v in model.non_trainable_variables if "moving" in v.path]
         restore()
-        step(x, y)
+        step(x, y, sample_weight=w)
         s2 = [v.numpy() for v in model.non_trainable_variables if "moving" in v.path]
         restore()
         # over the largest statistic, as the gradients' error is over the largest gradient: a
@@ -584,7 +594,10 @@ def run_case(name, fractions, time_limit, plans=None):
         row["bn_err"] = (max(float(np.abs(a - b).max()) for a, b in zip(s1, s2)) /
                          max(float(np.abs(a).max()) for a in s1) if s1 else None)
         xt, yt = _data(xs, ys, model, n=3 * xs.shape[0], seed=5)
-        hist = model.fit(xt, yt, batch_size=xs.shape[0], epochs=2, verbose=0, shuffle=False)
+        classes = int(yt.max()) + 1
+        hist = model.fit(xt, yt, batch_size=xs.shape[0], epochs=2, verbose=0, shuffle=False,
+                         class_weight={c: 0.5 + c / classes for c in range(classes)}
+                         if weighted and yt.ndim == 1 else None)
         row["fit_loss_finite"] = bool(np.all(np.isfinite(hist.history["loss"])))
         row["after_fit"] = step.measure(x, y, runs=2)["step_peak_bytes"]
         row["fragmented"] = _fragmented(step, x, y, big)
@@ -702,13 +715,17 @@ def main(argv=None):
                                                           "heldout.md"))
     p.add_argument("--plans", default=None, metavar="DIR",
                    help="save each row's plans and graphs (the step's and the gradients') here")
+    p.add_argument("--weighted", action="store_true",
+                   help="solve the step with per-sample weights (optimize's "
+                        "sample_weight_spec), compare it with Keras's weighted step and fit "
+                        "with class_weight")
     p.add_argument("--case", default=None, help=argparse.SUPPRESS)   # child process
     p.add_argument("--first", default=None, help=argparse.SUPPRESS)  # child process
     args = p.parse_args(argv)
     fractions = [float(f) for f in args.fractions.split(",")]
     if args.case:
         print("RESULT " + json.dumps(run_case(args.case, fractions, args.time_limit,
-                                              args.plans)),
+                                              args.plans, args.weighted)),
               flush=True)
         return 0
     if args.first:
@@ -722,6 +739,8 @@ def main(argv=None):
                "--fractions", args.fractions, "--time-limit", str(args.time_limit)]
         if args.plans:
             cmd += ["--plans", os.path.abspath(args.plans)]
+        if args.weighted:
+            cmd += ["--weighted"]
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
         res = next((json.loads(line[7:]) for line in proc.stdout.splitlines()
                     if line.startswith("RESULT ")), None)
@@ -747,7 +766,10 @@ def main(argv=None):
     text = table(results, firsts)
     doc = ["# Held-out-style models through `tf_remat.optimize`", "",
            f"Machine: {machine}. `optimize` defaults (`auto`, profiled costs), time limit "
-           f"{args.time_limit:g} s. Generated by `tools/bench_heldout.py`.", "", text, "",
+           f"{args.time_limit:g} s. Generated by `tools/bench_heldout.py`"
+           + (" --weighted: the step weighs each sample (`sample_weight_spec`), gradients and "
+              "BatchNorm statistics are against Keras's weighted step, `fit` gets "
+              "`class_weight`" if args.weighted else "") + ".", "", text, "",
            NOTES]
     print(text)
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
