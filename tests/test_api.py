@@ -815,3 +815,30 @@ def test_an_overridden_train_step_is_named_in_a_warning():
         else:
             x, y = tf.zeros((8, 16)), tf.zeros((8,), tf.int32)
             assert float(step(x, y)) > 10.0
+
+
+def test_a_step_kept_within_the_budget_but_not_the_margin_says_so(monkeypatch):
+    """When no plan measures within the margin, the best within the budget is kept, with a
+    warning and ``report["margin_met"]`` False (max-batch counts such a size as not fitting)."""
+    import tf_remat.api as api
+
+    real = api.measure_step_peak
+    budget = 1 << 30
+
+    def near_budget(*args, **kwargs):
+        out = real(*args, **kwargs)
+        return {**out, "step_peak_bytes": int(0.98 * budget)}
+
+    monkeypatch.setattr(api, "measure_step_peak", near_budget)
+    model, xs, ys = fresh(mlp)
+    with pytest.warns(UserWarning, match="within the budget .* but over .* margin"):
+        step = tf_remat.optimize(model, budget_bytes=budget, input_spec=xs, label_spec=ys,
+                                 attach=False, time_order=False, **FAST)
+    rep = step.report
+    assert rep["measured_peak_bytes"] == int(0.98 * budget) and not rep["margin_met"]
+    assert rep["attempts"] > 1  # it solved lower before keeping this one
+    monkeypatch.setattr(api, "measure_step_peak", real)
+    model, xs, ys = fresh(mlp)
+    step = tf_remat.optimize(model, budget_bytes=budget, input_spec=xs, label_spec=ys,
+                             attach=False, time_order=False, **FAST)
+    assert step.report["margin_met"]
