@@ -186,6 +186,24 @@ def test_fit_uses_the_rewritten_step(tmp_path):
     assert all(np.isfinite(history.history["loss"]))
     assert len(batches) == 6
     assert calls == [xs.shape[0], xs.shape[0], 8] * 2
+    # the partial batch runs the full batch's schedule when its graph differs only in memory
+    # (where oneDNN is off, filter gradients are sliced by batch, and the graphs may differ)
+    part, full = step._train[(8, None)], step._primary()
+    same = part.extraction.graph.topology_digest == full.extraction.graph.topology_digest
+    assert part.plan.info["plan_source"] == ("reused" if same else "solved")
+    if same:
+        assert part.plan.sequence == full.plan.sequence
+        assert part.plan.peak_memory < full.plan.peak_memory
+        assert [a["solve_seconds"] for a in part.attempts] == [0.0]
+    # the donor's own graph always matches; a target under its peak, or a kind of step with no
+    # donor (gradients only), gets no plan, and is solved for
+    g = full.extraction.graph
+    again = step._reused_plan(g, True, None, step.budget_bytes)
+    assert again.info["plan_source"] == "reused" and again.sequence == full.plan.sequence
+    assert again.info["reused_from_batch"] == xs.shape[0]
+    assert again.peak_memory == full.plan.peak_memory
+    assert step._reused_plan(g, True, None, full.plan.peak_memory - 1) is None
+    assert step._reused_plan(g, False, None, step.budget_bytes) is None
     assert model.train_function == step._keras_train_function
     after = model_state(model)
     assert any(not np.array_equal(a, b) for a, b in zip(before, after))

@@ -357,7 +357,8 @@ class OptimizedStep:
         Keras's ``make_train_function`` is replaced on this model instance; the train function
         takes each batch from the iterator, runs the rewritten step (a batch of another size,
         such as the last partial one, gets its own plan within the same budget, built on first
-        use) and updates the model's loss tracker and compiled metrics (the step returns the
+        use: the solved plan's schedule when that size's graph differs only in memory, else a
+        solve) and updates the model's loss tracker and compiled metrics (the step returns the
         model's outputs when the model was compiled with metrics). With ``sample_weight=`` or
         ``class_weight=``, the step weighs the loss as Keras's does; unless ``optimize`` was
         given ``sample_weight_spec``, its plan is solved at the first weighted batch.
@@ -556,6 +557,14 @@ class OptimizedStep:
         given = None
         if o.get("plan") is not None and primary:
             given = _adopt_plan(o["plan"], graph, budget)
+        elif not primary:
+            # another batch size of a step already solved (fit's last partial batch): the
+            # same graph but for its memory, so that schedule runs here without a solve
+            given = self._reused_plan(graph, apply_updates, weights, target)
+            if given is not None and verbose:
+                print(f"tf-remat: batch size {batch} runs the plan of batch size "
+                      f"{given.info['reused_from_batch']} (the same graph; simulated "
+                      f"{format_bytes(given.peak_memory)} here)", file=sys.stderr, flush=True)
         for attempt in range(_MAX_ATTEMPTS if o["verify"] else 1):
             this_limit = limit
             # until a step within the budget exists, meeting it matters more than the time and
@@ -631,7 +640,8 @@ class OptimizedStep:
                 accepted = cand
                 break
             if from_given and verbose:
-                print(f"tf-remat: the given plan measures {format_bytes(m)} here, over the "
+                print(f"tf-remat: the {plan.info.get('plan_source', 'given')} plan measures "
+                      f"{format_bytes(m)} here, over the "
                       f"budget {format_bytes(budget)}; solving", file=sys.stderr, flush=True)
             too_high = solve_budget if too_high is None else min(too_high, solve_budget)
             excess = m - plan.peak_memory
@@ -705,6 +715,26 @@ class OptimizedStep:
                         "total": time.perf_counter() - t0}
         best.attempts = attempts
         return best
+
+    def _reused_plan(self, graph, apply_updates, weights, target):
+        """A plan of a built step of the same kind and weights whose graph differs from
+        ``graph`` only in memory, re-simulated here; None when none peaks within ``target``."""
+        from tf_remat.errors import PlanError
+
+        wkey = None if weights is None else (tuple(weights.shape.as_list()),
+                                              weights.dtype.name)
+        cache = self._train if apply_updates else self._grads
+        for (batch, key), built in sorted(cache.items(), key=lambda kv: -kv[0][0]):
+            donor = built.extraction.graph
+            if key != wkey or donor.topology_digest != graph.topology_digest:
+                continue
+            try:
+                plan = _adopt_plan(built.plan, graph, target, check_digest=False)
+            except PlanError:
+                continue
+            return dataclasses.replace(plan, info={**plan.info, "plan_source": "reused",
+                                                   "reused_from_batch": batch})
+        return None
 
     def _cast(self, x, y):
         import tensorflow as tf
@@ -987,7 +1017,7 @@ def _given_plan(plan):
                     f"{type(plan).__name__}")
 
 
-def _adopt_plan(given, graph, budget):
+def _adopt_plan(given, graph, budget, check_digest=True):
     """The given plan re-simulated on this graph, after checking it was made for it."""
     from tf_remat.errors import PlanError
     from tf_remat.plan import simulate
@@ -997,7 +1027,7 @@ def _adopt_plan(given, graph, budget):
             f"{graph.n} nodes)")
     fix = ("pass a plan saved from tf_remat.optimize of this model, loss and optimizer at "
            "this batch size, or drop plan= to solve")
-    if digest is not None and digest != graph.structure_digest:
+    if check_digest and digest is not None and digest != graph.structure_digest:
         raise PlanError(f"{what}: it was made for a graph with other nodes, memory or edges; "
                         f"{fix}")
     if not given.steps:

@@ -188,6 +188,16 @@ class Graph:
                  self.fixed_memory)
         return hashlib.sha1(repr(parts).encode()).hexdigest()[:16]
 
+    @property
+    def topology_digest(self) -> str:
+        """:attr:`structure_digest` without the memory: equal for the same step traced at
+        another batch size, whose plans are then valid here (their peaks differ)."""
+        import hashlib
+
+        parts = (self.n, tuple(sorted(self.edges)), self.order, tuple(self.outputs),
+                 tuple(bool(r) for r in self.recomputable))
+        return hashlib.sha1(repr(parts).encode()).hexdigest()[:16]
+
     @cached_property
     def budget_lower_bound(self) -> int:
         """No plan of any order can peak below this many bytes.
