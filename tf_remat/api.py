@@ -357,8 +357,8 @@ class OptimizedStep:
         Keras's ``make_train_function`` is replaced on this model instance; the train function
         takes each batch from the iterator, runs the rewritten step (a batch of another size,
         such as the last partial one, gets its own plan within the same budget, built on first
-        use: the solved plan's schedule when that size's graph differs only in memory, else a
-        solve) and updates the model's loss tracker and compiled metrics (the step returns the
+        use: the solved plan's schedule when that size needs recomputation and its graph
+        differs only in memory, else a solve) and updates the model's loss tracker and compiled metrics (the step returns the
         model's outputs when the model was compiled with metrics). With ``sample_weight=`` or
         ``class_weight=``, the step weighs the loss as Keras's does; unless ``optimize`` was
         given ``sample_weight_spec``, its plan is solved at the first weighted batch.
@@ -558,8 +558,9 @@ class OptimizedStep:
         if o.get("plan") is not None and primary:
             given = _adopt_plan(o["plan"], graph, budget)
         elif not primary:
-            # another batch size of a step already solved (fit's last partial batch): the
-            # same graph but for its memory, so that schedule runs here without a solve
+            # another batch size of a step already solved (fit's last partial batch) whose
+            # graph differs only in memory: that schedule runs here without a solve (one that
+            # needs no recomputation is solved: that takes a moment and recomputes nothing)
             given = self._reused_plan(graph, apply_updates, weights, target)
             if given is not None and verbose:
                 print(f"tf-remat: batch size {batch} runs the plan of batch size "
@@ -718,9 +719,12 @@ class OptimizedStep:
 
     def _reused_plan(self, graph, apply_updates, weights, target):
         """A plan of a built step of the same kind and weights whose graph differs from
-        ``graph`` only in memory, re-simulated here; None when none peaks within ``target``."""
+        ``graph`` only in memory, re-simulated here; None when none peaks within ``target``,
+        or when ``graph`` fits ``target`` without recomputation."""
         from tf_remat.errors import PlanError
 
+        if graph.no_remat_peak <= target:
+            return None
         wkey = None if weights is None else (tuple(weights.shape.as_list()),
                                               weights.dtype.name)
         cache = self._train if apply_updates else self._grads
