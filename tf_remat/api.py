@@ -358,8 +358,9 @@ class OptimizedStep:
         takes each batch from the iterator, runs the rewritten step (a batch of another size,
         such as the last partial one, gets its own plan within the same budget, built on first
         use: the solved plan's schedule when that size needs recomputation and its graph
-        differs only in memory, else a solve) and updates the model's loss tracker and compiled metrics (the step returns the
-        model's outputs when the model was compiled with metrics). With ``sample_weight=`` or
+        differs only in memory, else a solve) and updates the model's loss tracker and
+        compiled metrics (the step returns the model's outputs when the model was compiled
+        with metrics). With ``sample_weight=`` or
         ``class_weight=``, the step weighs the loss as Keras's does; unless ``optimize`` was
         given ``sample_weight_spec``, its plan is solved at the first weighted batch.
         """
