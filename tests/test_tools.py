@@ -162,6 +162,40 @@ def test_max_batch_cli_json_and_remeasured(module_file, budget_gb, tmp_path):
         assert res["peak"] <= 1.05 * out["budget_bytes"], (res, out)
 
 
+def test_plain_probe_trains_as_keras_with_a_loss_per_output_and_penalties():
+    """max-batch's plain step is Keras's: ``compute_loss``, so a loss per output (which no
+    single loss function is) and the regularizers' penalties count; its peak is measured."""
+    import keras
+    import numpy as np
+
+    from tf_remat.batch import _plain_step, _probe
+
+    def build(batch):
+        keras.utils.set_random_seed(2)
+        inp = keras.Input((8, 8, 3))
+        h = keras.layers.Conv2D(8, 3, padding="same", activation="relu",
+                                kernel_regularizer=keras.regularizers.L2(0.1))(inp)
+        h = keras.layers.GlobalAveragePooling2D()(h)
+        model = keras.Model(inp, {"cls": keras.layers.Dense(4, name="cls")(h),
+                                  "reg": keras.layers.Dense(1, name="reg")(h)})
+        model.compile(optimizer="sgd", loss={"cls": keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True), "reg": "mse"}, loss_weights={"cls": 1.0, "reg": 0.5})
+        return (model, tf.TensorSpec((batch, 8, 8, 3)),
+                {"cls": tf.TensorSpec((batch,), tf.int32), "reg": tf.TensorSpec((batch, 1))})
+
+    peak, _, edge = _probe(build, 4, 1 << 30, remat=False, strategy=None, time_limit=None,
+                           verbose=0, cost_model="flops")
+    assert peak > 0 and not edge
+    model, _, _ = build(4)
+    x = np.ones((4, 8, 8, 3), "float32")
+    y = {"cls": np.zeros((4,), "int32"), "reg": np.ones((4, 1), "float32")}
+    model.optimizer.build(model.trainable_variables)
+    ours = float(_plain_step(model, model.optimizer)(tf.constant(x), y))
+    model, _, _ = build(4)
+    assert np.isclose(ours, float(model.train_on_batch(x, y, return_dict=True)["loss"]),
+                      rtol=1e-5)
+
+
 def test_max_batch_python_api_bad_budget():
     from tf_remat.batch import max_batch_size
 

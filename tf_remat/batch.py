@@ -47,14 +47,16 @@ def memory_device() -> str:
     return "GPU:0" if tf.config.list_physical_devices("GPU") else "CPU:0"
 
 
-def _plain_step(model, loss_fn, optimizer):
+def _plain_step(model, optimizer):
+    """Keras's training step for a compiled model: its compiled loss (a loss per output and
+    ``model.losses`` included, as ``train_step`` computes it), the gradients, the update."""
     import tensorflow as tf
 
     @tf.function
     def step(x, y):
         with tf.GradientTape() as tape:
             pred = model(x, training=True)
-            loss = loss_fn(y, pred)
+            loss = model.compute_loss(x=x, y=y, y_pred=pred, training=True)
         grads = tape.gradient(loss, model.trainable_variables)
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
         return loss
@@ -74,7 +76,6 @@ def _probe(build, batch, budget, *, remat, strategy, time_limit, verbose, cost_m
     import keras
 
     from tf_remat.api import _synthetic_batch, measure_step_peak
-    from tf_remat.extract import keras_loss
     from tf_remat.errors import InfeasibleBudgetError, RematError
 
     keras.backend.clear_session()
@@ -106,8 +107,7 @@ def _probe(build, batch, budget, *, remat, strategy, time_limit, verbose, cost_m
     else:
         opt = model.optimizer
         opt.build(model.trainable_variables)
-        loss_fn = keras_loss(model.loss)
-        step = _plain_step(model, loss_fn, opt)
+        step = _plain_step(model, opt)
         variables = [getattr(v, "value", v) for v in list(model.variables) + list(opt.variables)]
         peak = measure_step_peak(step, x, y, variables=variables)["step_peak_bytes"]
         edge = False
