@@ -57,7 +57,9 @@ def _plain_step(model, optimizer):
         with tf.GradientTape() as tape:
             pred = model(x, training=True)
             loss = model.compute_loss(x=x, y=y, y_pred=pred, training=True)
-        grads = tape.gradient(loss, model.trainable_variables)
+            # a LossScaleOptimizer (mixed precision) unscales what apply_gradients gets
+            scaled = optimizer.scale_loss(loss) if hasattr(optimizer, "scale_loss") else loss
+        grads = tape.gradient(scaled, model.trainable_variables)
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
         return loss
 
