@@ -722,6 +722,26 @@ def test_a_loss_per_output_given_to_optimize_is_refused_with_the_way_to_pass_it(
     assert keras_loss(keras.losses.serialize(keras.losses.Huber())).name == "huber_loss"
 
 
+def test_a_weighted_step_with_a_given_loss_keeps_the_penalties():
+    """``loss=`` given to the trace and weights: the loss is the weighted batch mean plus
+    ``model.losses``, as Keras's step computes it (regularized kernels)."""
+    from tf_remat.extract import trace_training_step
+
+    keras.utils.set_random_seed(4)
+    inp = keras.Input((6,))
+    out = keras.layers.Dense(3, kernel_regularizer=keras.regularizers.L2(0.5))(inp)
+    model = keras.Model(inp, out)
+    loss = keras.losses.MeanSquaredError()
+    xs, ys, ws = tf.TensorSpec((4, 6)), tf.TensorSpec((4, 3)), tf.TensorSpec((4,))
+    traced = trace_training_step(model, xs, (ys, ws), loss=loss, optimizer="sgd",
+                                 apply_updates=False, weighted=True)
+    x, y = tf.ones((4, 6)), tf.zeros((4, 3))
+    w = tf.constant([0.0, 1.0, 2.0, 3.0])
+    expect = float(loss(y, model(x, training=True), sample_weight=w) + tf.add_n(model.losses))
+    assert float(model.losses[0]) > 1e-3
+    assert np.isclose(float(traced.function(x, (y, w))[0]), expect, rtol=1e-6)
+
+
 def test_a_loss_given_by_name_is_the_batch_mean_as_in_compile():
     """``loss="mse"``: Keras's ``losses.get`` gives the per-sample function, and a step that
     differentiated its vector would take the batch's sum, ``batch`` times Keras's gradient;

@@ -388,10 +388,9 @@ def trace_training_step(model, input_spec, label_spec, *, loss=None, optimizer=N
             if compiled_loss:
                 value = model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sw,
                                            training=True)
-            elif weighted:
-                value = loss_fn(y, y_pred, sample_weight=sw)
             else:
-                value = loss_fn(y, y_pred)
+                # loss_fn is a keras Loss (keras_loss), which takes the weights
+                value = loss_fn(y, y_pred, sample_weight=sw)
                 if model.losses:
                     value = value + tf.add_n([tf.cast(v, value.dtype) for v in model.losses])
             scaled = optimizer.scale_loss(value) if (
