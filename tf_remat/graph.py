@@ -181,22 +181,15 @@ class Graph:
         """A short hash of what a plan's validity and memory depend on: the nodes' memory, the
         edges, the order, the outputs, what may be recomputed and the fixed memory. Not costs
         or names: a profile and Keras's layer names differ between runs of the same model."""
-        import hashlib
-
-        parts = (self.memory, tuple(sorted(self.edges)), self.order, tuple(self.outputs),
-                 tuple(bool(r) for r in self.recomputable),
-                 self.fixed_memory)
-        return hashlib.sha1(repr(parts).encode()).hexdigest()[:16]
+        return _digest((self.memory, tuple(sorted(self.edges)), self.order, tuple(self.outputs),
+                        tuple(bool(r) for r in self.recomputable), self.fixed_memory))
 
     @property
     def topology_digest(self) -> str:
         """:attr:`structure_digest` without the memory: equal for the same step traced at
         another batch size, whose plans are then valid here (their peaks differ)."""
-        import hashlib
-
-        parts = (self.n, tuple(sorted(self.edges)), self.order, tuple(self.outputs),
-                 tuple(bool(r) for r in self.recomputable))
-        return hashlib.sha1(repr(parts).encode()).hexdigest()[:16]
+        return _digest((self.n, tuple(sorted(self.edges)), self.order, tuple(self.outputs),
+                        tuple(bool(r) for r in self.recomputable)))
 
     @cached_property
     def budget_lower_bound(self) -> int:
@@ -445,3 +438,9 @@ def _articulation_points(adj: dict) -> set:
         if children > 1:
             result.add(root)
     return result
+
+
+def _digest(parts) -> str:
+    import hashlib
+
+    return hashlib.sha1(repr(parts).encode()).hexdigest()[:16]
