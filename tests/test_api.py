@@ -213,6 +213,8 @@ def test_fit_uses_the_rewritten_step(tmp_path):
         assert big.plan.sequence == full.plan.sequence
         assert big.attempts[0]["solve_seconds"] == 0.0
     assert big.measured["step_peak_bytes"] <= step.budget_bytes
+    # measuring on that batch measures that batch's step
+    assert step.measure(xb, yb)["step_peak_bytes"] <= 1.05 * step.budget_bytes
     assert model.train_function == step._keras_train_function
     after = model_state(model)
     assert any(not np.array_equal(a, b) for a, b in zip(before, after))

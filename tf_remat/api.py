@@ -341,12 +341,12 @@ class OptimizedStep:
     def measure(self, x=None, y=None, *, runs: int = 1) -> dict:
         """Run the step on ``(x, y)`` (synthetic when None) with the variables saved and restored;
         TensorFlow's measured peak (see :func:`measure_step_peak`)."""
-        b = self._primary()
         if x is None or y is None:
+            b = self._primary()
             x, y = _synthetic_batch(*self._specs(_first_dim(self.input_spec),
                                                  self._opts.get("sample_weight_spec")))
-        else:
-            x, y = self._prepare(x, y, None, apply_updates=True)[1]
+        else:  # the step for this batch's size, as a call on it would run
+            b, (x, y) = self._prepare(x, y, None, apply_updates=True)
         return measure_step_peak(b.step, x, y, variables=b.extraction.traced.variables,
                                  runs=runs)
 
