@@ -196,6 +196,34 @@ def test_plain_probe_trains_as_keras_with_a_loss_per_output_and_penalties():
                       rtol=1e-5)
 
 
+def test_cli_extract_traces_your_own_model_then_the_cli_solves_it(module_file, tmp_path,
+                                                                  capsys):
+    from tf_remat.cli import main
+    from tf_remat.graph import Graph
+    from tf_remat.plan import Plan
+
+    out = tmp_path / "mine.json"
+    assert main(["extract", "--module", f"{module_file}:build", "--batch", "6",
+                 "--cost-model", "flops", "-q", "-o", str(out)]) == 0
+    g = Graph.load(out)
+    assert os.path.exists(tmp_path / "mine.ops.json")
+    # the builder's model, at the batch asked for: the first conv's output is batch x 32x32x32
+    assert any(m == 6 * 32 * 32 * 32 * 4 for m in g.memory), sorted(set(g.memory))[-5:]
+    plan_file = tmp_path / "plan.json"
+    budget = g.fixed_memory + (g.no_remat_peak - g.fixed_memory) * 3 // 4
+    assert main(["solve", str(out), "--budget", str(budget), "--strategy", "fastsa",
+                 "--time-limit", "5", "-o", str(plan_file)]) == 0
+    plan = Plan.load(plan_file)
+    assert plan.peak_memory <= budget < g.no_remat_peak
+    capsys.readouterr()
+    # zoo options do not apply to a builder, and a missing builder is named
+    assert main(["extract", "--module", f"{module_file}:build", "--input", "64x64",
+                 "-o", str(out)]) == 2
+    assert "--module" in capsys.readouterr().err
+    assert main(["extract", "--module", f"{module_file}:nope", "-o", str(out)]) == 2
+    assert "nope" in capsys.readouterr().err
+
+
 def test_max_batch_python_api_bad_budget():
     from tf_remat.batch import max_batch_size
 

@@ -184,9 +184,17 @@ def cmd_extract(args) -> int:
     from tf_remat.zoo import model_specs
 
     t0 = time.perf_counter()
-    model, input_spec, label_spec = model_specs(args.model, batch_size=args.batch,
-                                                input_size=args.input,
-                                                num_classes=args.classes)
+    if args.module is not None:
+        from tf_remat.training import load_builder
+
+        if args.input is not None or args.classes is not None:
+            raise ValueError("--input and --classes are for zoo models; a --module builder "
+                             "sets its own shapes")
+        model, input_spec, label_spec = load_builder(module=args.module)(args.batch)
+    else:
+        model, input_spec, label_spec = model_specs(args.model, batch_size=args.batch,
+                                                    input_size=args.input,
+                                                    num_classes=args.classes)
     ex = extract(model, input_spec=input_spec, label_spec=label_spec,
                  cost_model=args.cost_model, verbose=0 if args.quiet else 1)
     out = args.output or f"{ex.graph.name}.json"
@@ -318,9 +326,12 @@ def _build_parser() -> argparse.ArgumentParser:
                    help='one line {"plain_batch", "remat_batch", "budget_bytes"}')
     s.set_defaults(func=cmd_max_batch)
 
-    s = sub.add_parser("extract", help="trace a zoo model's training step into a graph file")
-    s.add_argument("--model", required=True, help="zoo model: vgg16, vgg19, mobilenet, "
-                   "resnet50, unet, fcn8, segnet, transformer, bn_cnn, bn_cnn12")
+    s = sub.add_parser("extract", help="trace a model's training step into a graph file")
+    src = s.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="zoo model: vgg16, vgg19, mobilenet, "
+                     "resnet50, unet, fcn8, segnet, transformer, bn_cnn, bn_cnn12")
+    src.add_argument("--module", help="your model: path/to/file.py:build, build(batch) -> "
+                                      "(compiled_model, input_spec, label_spec)")
     s.add_argument("--batch", type=int, default=8, help="batch size")
     s.add_argument("--input", default=None, help="input size HxW (sequence length for "
                                                  "transformer); default: the model's")
