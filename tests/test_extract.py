@@ -712,3 +712,22 @@ def test_cli_extract_writes_graph_and_op_map(tmp_path, capsys):
     assert len(doc["nodes"]) == g.n
     assert "nodes" in capsys.readouterr().out
     assert main(["extract", "--model", "nope", "-o", str(out)]) == 2
+
+
+def test_fold_evaluates_shape_arithmetic_without_retracing_warnings(caplog):
+    """``_fold`` evaluates what ``tf.get_static_value`` gives up on (arithmetic on a shape), and
+    folding many tensors logs nothing: it once traced a new tf.function per tensor, which
+    TensorFlow reported to the user as excessive retracing."""
+    import logging
+
+    from tf_remat.profile import _fold
+
+    g = tf.Graph()
+    with g.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, (4, 6))
+        s = tf.shape(x)
+        ts = [tf.stack([s[0] * s[1] + k, tf.constant(1)]) for k in range(8)]
+    with caplog.at_level(logging.WARNING, logger="tensorflow"):
+        got = [_fold(t) for t in ts]
+    assert [list(v) for v in got] == [[24 + k, 1] for k in range(8)]
+    assert not [r for r in caplog.records if "retracing" in r.getMessage()]

@@ -488,7 +488,9 @@ def _fold(t):
         def body():
             return tf.graph_util.import_graph_def(gd, return_elements=[fetch], name="f")[0]
 
-        return tf.function(body, autograph=False)().numpy()
+        # wrap_function, not a tf.function per fold: TensorFlow counts every new tf.function
+        # traced from this one place as a retrace and logged a warning about it to the user
+        return tf.compat.v1.wrap_function(body, [])().numpy()
     except Exception:  # noqa: BLE001 (anything odd: the node is fed zeros, as before)
         return None
 
