@@ -120,13 +120,16 @@ def run_case(name, batch, size, fractions, strategy, time_limit, runs, trace=Tru
         row["fresh_held_peak"] = prof["fresh_pool_held_peak_bytes"] + owned
         if floor is None:  # what optimize's time_order timed, built again to time it here
             floor = static_order_step(step._primary().extraction, step._opts["chain"])
+        rounds = {}
         times = _interleaved_times({"plain": ref.function, "static": floor, "remat": step},
-                                   x, y, state, runs)
-        tb, ts, tr = times["plain"], times["static"], times["remat"]
-        row["t_plain"], row["t_static"], row["t_remat"] = tb, ts, tr
-        row["measured_overhead"] = tr / tb - 1
-        row["static_overhead"] = ts / tb - 1
-        row["recompute_overhead"] = tr / ts - 1
+                                   x, y, state, runs, rounds)
+        row["t_plain"], row["t_static"], row["t_remat"] = \
+            times["plain"], times["static"], times["remat"]
+        row["measured_overhead"] = _paired(rounds, "remat", "plain")
+        row["static_overhead"] = _paired(rounds, "static", "plain")
+        row["recompute_overhead"] = _paired(rounds, "remat", "static")
+        # the earlier figure, the medians' ratio, for comparison with earlier runs
+        row["medians_overhead"] = times["remat"] / times["plain"] - 1
         # the profiled costs in seconds: every node once, and the plan's sequence
         row["graph_cost"], row["plan_cost"] = step.graph.total_cost, step.plan.cost
         if trace:
@@ -252,9 +255,10 @@ def _copy_kernel_share(floor, step, x, y, state):
             "copy_kernel_share": copies / base if base else None}
 
 
-def _interleaved_times(fns, x, y, state, runs):
+def _interleaved_times(fns, x, y, state, runs, rounds=None):
     """Median seconds per step of each of ``fns``, in a shuffled order in every round, so that
-    the bursts of load on this shared machine do not fall on one step in every round."""
+    the bursts of load on this shared machine do not fall on one step in every round. Pass a
+    dict as ``rounds`` to get each step's time in every round too (for :func:`_paired`)."""
     import random
 
     import tensorflow as tf
@@ -277,7 +281,16 @@ def _interleaved_times(fns, x, y, state, runs):
         rng.shuffle(keys)
         for k in keys:
             times[k].append(once(fns[k]))
+    if rounds is not None:
+        rounds.update(times)
     return {k: statistics.median(v) for k, v in times.items()}
+
+
+def _paired(rounds, a, b):
+    """Median over rounds of step ``a``'s time over step ``b``'s in the same round, less one:
+    a slow stretch of the machine's load scales both steps of a round alike, where it moves
+    the two medians by different amounts when it falls on more rounds of one step."""
+    return statistics.median(ta / tb for ta, tb in zip(rounds[a], rounds[b])) - 1
 
 
 def _emit(row, name):
@@ -343,8 +356,9 @@ def times_table(results) -> str:
     """Median step times beside the profiled costs the solver was given (seconds summed over
     nodes, each node's ops timed alone): how far a sum of isolated op times is from a step."""
     lines = ["| model | budget | plain ms | static order ms | rewritten ms | node costs ms | "
-             "plan cost ms | node costs / plain | plan cost / rewritten |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "plan cost ms | node costs / plain | plan cost / rewritten | "
+             "overhead from the medians |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for res in results:
         for r in res.get("rows", []):
             if "t_plain" not in r or r.get("graph_cost") is None:
@@ -353,7 +367,8 @@ def times_table(results) -> str:
                 f"| {res['model']} | {100 * r['fraction']:.0f}% | {1e3 * r['t_plain']:.1f} | "
                 f"{1e3 * r['t_static']:.1f} | {1e3 * r['t_remat']:.1f} | "
                 f"{1e3 * r['graph_cost']:.1f} | {1e3 * r['plan_cost']:.1f} | "
-                f"{r['graph_cost'] / r['t_plain']:.2f} | {r['plan_cost'] / r['t_remat']:.2f} |")
+                f"{r['graph_cost'] / r['t_plain']:.2f} | {r['plan_cost'] / r['t_remat']:.2f} | "
+                f"{100 * (r['t_remat'] / r['t_plain'] - 1):.1f}% |")
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
@@ -383,11 +398,13 @@ NOTES = """\
   longer runs independent ops side by side), which `optimize` times itself (`time_order`: the
   plain step against the graph with no recomputation in topological order, chained as the
   rewritten step is, a few paired rounds); **recompute** is plan cost / sum of node costs - 1
-  with profiled costs (what the solver minimizes). **overhead meas**: median step time of the
-  rewritten step over the plain step's - 1. **static meas**: that static-order step, built again
-  here, over the plain step; **recompute meas**: the rewritten step over it. The three steps
-  run in a shuffled order in each of `--runs` rounds (median per step), after `optimize`
-  returned. **copies' kernels**:
+  with profiled costs (what the solver minimizes). The three steps run in a shuffled order in
+  each of `--runs` rounds, after `optimize` returned. **overhead meas**: the median over rounds
+  of the rewritten step's time over the plain step's in the same round, - 1 (a slow stretch of
+  the machine's load scales a round's steps alike; the ratio of the two medians, this
+  column's figure until now and **overhead from the medians** in the second table, moves when it falls on more rounds of
+  one step). **static meas**: that static-order step, built again here, over the plain step;
+  **recompute meas**: the rewritten step over it, the same way. **copies' kernels**:
   from a `tf.profiler` trace (3 steps each), the kernel time of the recomputed copies in the
   rewritten step over the kernel time of the graph's ops in the static-order step: what the
   recomputation costs where the step runs it, apart from scheduling and this machine's load.
