@@ -861,6 +861,8 @@ def test_an_overridden_train_step_is_named_in_a_warning():
         assert bool(named) == warned, [str(w.message) for w in caught]
         if warned:
             assert "Custom" in str(named[0].message)
+            # attributed to the caller's line, not to one inside tf_remat
+            assert named[0].filename == __file__, named[0].filename
         else:
             x, y = tf.zeros((8, 16)), tf.zeros((8,), tf.int32)
             assert float(step(x, y)) > 10.0

@@ -22,11 +22,10 @@ import subprocess
 import sys
 import tempfile
 import time
-import warnings
 from typing import Any
 
 from tf_remat._units import format_bytes
-from tf_remat.errors import InfeasibleBudgetError, RematError
+from tf_remat.errors import InfeasibleBudgetError, RematError, warn
 
 __all__ = ["optimize", "OptimizedStep", "detach", "measure_step_peak", "step_allocations",
            "solve_isolated"]
@@ -373,9 +372,9 @@ class OptimizedStep:
         def make_train_function(force=False):
             if (model.optimizer is not this._traced_optimizer()) and model.optimizer is not None \
                     and this._opts.get("optimizer") is None:
-                warnings.warn("tf-remat: the model was compiled again with another optimizer "
-                              "since optimize(); model.fit uses Keras's own step (call "
-                              "optimize again)", stacklevel=2)
+                warn("tf-remat: the model was compiled again with another optimizer "
+                     "since optimize(); model.fit uses Keras's own step (call "
+                     "optimize again)")
                 this.detach()
                 return model.make_train_function(force=True)
             model.train_function = this._keras_train_function
@@ -671,10 +670,9 @@ class OptimizedStep:
             accepted = best  # within the budget, not within the margin: the best there is
         if accepted is None and best is not None and not apply_updates:
             # a gradients-only step is for checks, not training: keep the plan, say so
-            warnings.warn(f"tf-remat: the gradients-only step measures "
-                          f"{format_bytes(best.measured['step_peak_bytes'])}, over the budget "
-                          f"{format_bytes(budget)}; its gradients are still exact",
-                          stacklevel=4)
+            warn(f"tf-remat: the gradients-only step measures "
+                 f"{format_bytes(best.measured['step_peak_bytes'])}, over the budget "
+                 f"{format_bytes(budget)}; its gradients are still exact")
             accepted = best
         if accepted is None:
             if best is None:  # pragma: no cover (the first attempt raises)
@@ -758,7 +756,7 @@ class OptimizedStep:
     def _warn_once(self, key, message):
         if key not in self._warned:
             self._warned.add(key)
-            warnings.warn(message, stacklevel=3)
+            warn(message)
 
 
 # --------------------------------------------------------------------- measuring
@@ -1068,8 +1066,7 @@ def _resolve_strategy(strategy, verbose):
     except StrategyError as exc:
         if strategy != "auto" or "not available" not in str(exc):
             raise
-        warnings.warn(f"tf-remat: {exc}; using strategy {_AUTO_FALLBACK!r} instead",
-                      stacklevel=3)
+        warn(f"tf-remat: {exc}; using strategy {_AUTO_FALLBACK!r} instead")
         return _AUTO_FALLBACK
     return strategy
 

@@ -5,6 +5,10 @@ catch by meaning (a bad graph, an unreachable budget, an unsupported op, a solve
 time) or catch everything of ours at once.
 """
 
+import os
+import sys
+import warnings
+
 __all__ = [
     "RematError",
     "GraphError",
@@ -54,3 +58,29 @@ class UnsupportedOpError(RematError):
 
 class SolverTimeoutError(RematError):
     """A solver hit its time limit without finding any plan."""
+
+
+#: packages whose frames a warning skips to reach the line that called into them: the same
+#: warning is raised from ``optimize`` and from within ``model.fit`` (through Keras), at
+#: depths no fixed ``stacklevel`` fits
+_INTERNAL = ("tf_remat", "keras", "tensorflow", "tf_keras")
+
+
+def _internal_dirs() -> tuple:
+    dirs = []
+    for name in _INTERNAL:
+        mod = sys.modules.get(name)  # only what is loaded: the core imports no TensorFlow
+        path = getattr(mod, "__file__", None)
+        if path:
+            dirs.append(os.path.dirname(os.path.abspath(path)) + os.sep)
+    return tuple(dirs)
+
+
+def warn(message: str, category=UserWarning) -> None:
+    """``warnings.warn`` attributed to the first caller outside tf-remat, Keras and TensorFlow
+    (the user's ``optimize`` or ``fit`` line), not to a line of ours."""
+    dirs = _internal_dirs()
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(dirs):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level + 1 if frame is not None else 2)

@@ -36,7 +36,7 @@ import os
 import re
 from typing import Any
 
-from tf_remat.errors import RematError, UnsupportedOpError
+from tf_remat.errors import RematError, UnsupportedOpError, warn
 from tf_remat.graph import Graph
 
 __all__ = [
@@ -405,11 +405,8 @@ def trace_training_step(model, input_spec, label_spec, *, loss=None, optimizer=N
             except (ValueError, TypeError, KeyError, tf.errors.OpError) as exc:
                 # every edit leaves a graph of the same values (a new reader computes what the
                 # old one did), so a failure midway costs memory, never correctness
-                import warnings
-
-                warnings.warn(f"tf-remat: BatchNorm-style broadcast gradients left as "
-                              f"TensorFlow builds them ({type(exc).__name__}: {exc})",
-                              stacklevel=2)
+                warn(f"tf-remat: BatchNorm-style broadcast gradients left as "
+                     f"TensorFlow builds them ({type(exc).__name__}: {exc})")
         marks["backward"] = _n_ops()
         preds = ()
         if return_predictions:
@@ -628,7 +625,6 @@ def measure_workspace(traced: TracedStep, op_map: OpMap, *, x=None, y=None) -> l
     1 MiB: see ``_MIN_WORKSPACE``). All zeros when TensorFlow keeps no memory statistics for
     the device or the profiler is busy.
     """
-    import warnings
 
     kind = current_device_kind()
     ws = [0] * op_map.n
@@ -644,8 +640,8 @@ def measure_workspace(traced: TracedStep, op_map: OpMap, *, x=None, y=None) -> l
         run()  # the first call builds kernels and allocates the function's own state
         events = profiled_memory_events(run)
     except Exception as exc:  # noqa: BLE001 (a profiler already running, say: costs nothing)
-        warnings.warn(f"tf-remat: kernel scratch space not measured ({exc}); the plan counts "
-                      "none", stacklevel=3)
+        warn(f"tf-remat: kernel scratch space not measured ({exc}); the plan counts "
+             "none")
         return ws
     finally:
         restore_variables(traced.variables, saved)
