@@ -823,6 +823,16 @@ def test_sample_and_class_weights_train_as_keras_does(declared):
     keys = set(step._train)
     assert keys == ({(32, ((32,), "float32"))} if declared
                     else {(32, None), (32, ((32,), "float32"))}), keys
+    if not declared:
+        # the weights are a multiply inside the loss's nodes: the same graph, so the first
+        # weighted batch ran the unweighted step's schedule, re-verified, with no solve
+        weighted, plain = step._train[(32, ((32,), "float32"))], step._train[(32, None)]
+        assert weighted.extraction.graph.topology_digest == \
+            plain.extraction.graph.topology_digest
+        assert weighted.plan.info["plan_source"] == "reused"
+        assert weighted.plan.info["reused_from_weighted"] is False
+        assert weighted.plan.sequence == plain.plan.sequence
+        assert weighted.attempts[0]["solve_seconds"] == 0.0
 
 
 def test_sample_weight_spec_must_be_a_spec_with_a_batch_dimension():

@@ -558,13 +558,18 @@ class OptimizedStep:
         if o.get("plan") is not None and primary:
             given = _adopt_plan(o["plan"], graph, budget)
         elif not primary:
-            # another batch size of a step already solved (fit's last partial batch) whose
-            # graph differs only in memory: that schedule runs here without a solve (one that
-            # needs no recomputation is solved: that takes a moment and recomputes nothing)
-            given = self._reused_plan(graph, apply_updates, weights, target)
+            # another batch size or weighting of a step already solved (fit's last partial
+            # batch, its first class_weight) whose graph differs only in memory: that schedule
+            # runs here without a solve (one that needs no recomputation is solved: that takes
+            # a moment and recomputes nothing)
+            # (unverified, a plan is kept when it simulates within the budget, as solved ones)
+            given = self._reused_plan(graph, apply_updates, weights,
+                                      target if o["verify"] else budget)
             if given is not None and verbose:
-                print(f"tf-remat: batch size {batch} runs the plan of batch size "
-                      f"{given.info['reused_from_batch']} (the same graph; simulated "
+                donor = (f"{'the weighted' if given.info['reused_from_weighted'] else 'the'} "
+                         f"step at batch size {given.info['reused_from_batch']}")
+                print(f"tf-remat: batch size {batch}{'' if weights is None else ', weighted,'} "
+                      f"runs the plan of {donor} (the same graph; simulated "
                       f"{format_bytes(given.peak_memory)} here)", file=sys.stderr, flush=True)
         for attempt in range(_MAX_ATTEMPTS if o["verify"] else 1):
             this_limit = limit
@@ -717,9 +722,12 @@ class OptimizedStep:
         return best
 
     def _reused_plan(self, graph, apply_updates, weights, target):
-        """A plan of a built step of the same kind and weights whose graph differs from
-        ``graph`` only in memory, re-simulated here; None when none peaks within ``target``,
-        or when ``graph`` fits ``target`` without recomputation."""
+        """A plan of a built step of the same kind whose graph differs from ``graph`` only in
+        memory, re-simulated here; None when none peaks within ``target``, or when ``graph``
+        fits ``target`` without recomputation. Steps with the same weighting are tried first;
+        a weighted step's graph is often an unweighted one's (the weights are a multiply
+        inside the loss's nodes), so ``fit(class_weight=...)`` after an unweighted
+        ``optimize`` runs its schedule without a solve where the graphs match."""
         from tf_remat.errors import PlanError
 
         if graph.no_remat_peak <= target:
@@ -727,16 +735,18 @@ class OptimizedStep:
         wkey = None if weights is None else (tuple(weights.shape.as_list()),
                                               weights.dtype.name)
         cache = self._train if apply_updates else self._grads
-        for (batch, key), built in sorted(cache.items(), key=lambda kv: -kv[0][0]):
+        for (batch, key), built in sorted(cache.items(),
+                                          key=lambda kv: (kv[0][1] != wkey, -kv[0][0])):
             donor = built.extraction.graph
-            if key != wkey or donor.topology_digest != graph.topology_digest:
+            if donor.topology_digest != graph.topology_digest:
                 continue
             try:
                 plan = _adopt_plan(built.plan, graph, target, check_digest=False)
             except PlanError:
                 continue
             return dataclasses.replace(plan, info={**plan.info, "plan_source": "reused",
-                                                   "reused_from_batch": batch})
+                                                   "reused_from_batch": batch,
+                                                   "reused_from_weighted": key is not None})
         return None
 
     def _cast(self, x, y):
