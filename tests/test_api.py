@@ -903,3 +903,26 @@ def test_a_step_kept_within_the_budget_but_not_the_margin_says_so(monkeypatch):
     step = tf_remat.optimize(model, budget_bytes=budget, input_spec=xs, label_spec=ys,
                              attach=False, time_order=False, **FAST)
     assert step.report["margin_met"]
+
+
+def test_a_model_under_a_distribution_strategy_is_refused_clearly():
+    """A model built under a tf.distribute strategy has mirrored variables; the rewritten step
+    is a one-device step. TensorFlow's own failure said only 'Need to be inside with
+    strategy.scope()'; the refusal names the strategy and what to do, before any change."""
+    from tf_remat.errors import UnsupportedOpError
+
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
+        model.compile(optimizer="sgd", loss="mse")
+    before = [v.numpy() for v in model.variables]
+    xs, ys = tf.TensorSpec((4, 8)), tf.TensorSpec((4, 4))
+    with pytest.raises(UnsupportedOpError, match="MirroredStrategy.*outside the strategy"):
+        tf_remat.optimize(model, budget_gb=1.0, input_spec=xs, label_spec=ys, **FAST)
+    assert "_tf_remat_step" not in model.__dict__
+    assert all(np.array_equal(a, v.numpy()) for a, v in zip(before, model.variables))
+    # a model built outside, optimized inside a scope: refused too
+    plain = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
+    plain.compile(optimizer="sgd", loss="mse")
+    with strategy.scope(), pytest.raises(UnsupportedOpError, match="MirroredStrategy"):
+        tf_remat.optimize(plain, budget_gb=1.0, input_spec=xs, label_spec=ys, **FAST)

@@ -150,7 +150,8 @@ def optimize(model, budget_gb: float | None = None, *, budget_bytes: int | None 
         InfeasibleBudgetError: no plan fits the budget; the message (and ``min_feasible``)
             gives the smallest budget found reachable. The model is left as it was.
         UnsupportedOpError: the step cannot be traced with static shapes (the message names the
-            tensor), or there is no loss / optimizer.
+            tensor), there is no loss / optimizer, or the model was built under a
+            ``tf.distribute`` strategy (the rewritten step is a one-device step).
 
     Example:
         >>> step = tf_remat.optimize(model, budget_gb=16,

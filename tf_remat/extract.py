@@ -308,6 +308,29 @@ def op_map_path(graph_path: str | os.PathLike) -> str:
 
 
 # --------------------------------------------------------------------- public API
+def _check_no_distribution(model) -> None:
+    """A model built under a ``tf.distribute`` strategy gets a clear refusal: its variables
+    are mirrored across replicas, and a step traced here runs on one device, with no
+    all-reduce of the gradients (TensorFlow's own message said only to enter a scope)."""
+    import tensorflow as tf
+
+    found = getattr(model, "_distribute_strategy", None)
+    if found is None and tf.distribute.has_strategy():
+        found = tf.distribute.get_strategy()
+    if found is None:
+        for v in model.variables:
+            if isinstance(getattr(v, "value", v), tf.distribute.DistributedValues):
+                found = "a tf.distribute strategy"
+                break
+    if found is not None:
+        name = found if isinstance(found, str) else type(found).__name__
+        raise UnsupportedOpError(
+            f"the model was built under {name}: tf-remat rewrites a one-device training "
+            f"step and does not split it across replicas or all-reduce its gradients; build "
+            f"and compile the model outside the strategy's scope (one device), and call "
+            f"tf_remat.optimize outside it too")
+
+
 def trace_training_step(model, input_spec, label_spec, *, loss=None, optimizer=None,
                         apply_updates: bool = True, return_predictions: bool = False,
                         conv_gradients: str | None = None,
@@ -349,6 +372,7 @@ def trace_training_step(model, input_spec, label_spec, *, loss=None, optimizer=N
 
     _check_spec(input_spec, "input_spec")
     _check_spec(label_spec, "label_spec")
+    _check_no_distribution(model)
     _build_model(model, input_spec)
     loss_fn, compiled_loss = _resolve_loss(model, loss)
     if optimizer is None:
