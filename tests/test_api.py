@@ -687,7 +687,7 @@ def test_regularizers_and_nesterov_momentum_train_as_keras_does(explicit_loss):
         assert close(a, b, max(1.0, float(np.abs(a).max()))), np.abs(a - b).max()
 
 
-def bn_net(loss):
+def bn_net(loss, compile=True):
     """Convolutions, BatchNorm and a residual skip, no dropout: Keras's step and a rewritten
     one compute the same function, so their updates can be compared weight by weight."""
     keras.utils.set_random_seed(5)
@@ -699,8 +699,9 @@ def bn_net(loss):
         h = keras.layers.Add()([h, keras.layers.BatchNormalization()(r)])
     out = keras.layers.Dense(10)(keras.layers.GlobalAveragePooling2D()(h))
     model = keras.Model(inp, out)
-    model.compile(loss=loss, optimizer=keras.optimizers.SGD(0.1, momentum=0.9))
-    model.optimizer.build(model.trainable_variables)
+    if compile:
+        model.compile(loss=loss, optimizer=keras.optimizers.SGD(0.1, momentum=0.9))
+        model.optimizer.build(model.trainable_variables)
     return model
 
 
@@ -926,3 +927,28 @@ def test_a_model_under_a_distribution_strategy_is_refused_clearly():
     plain.compile(optimizer="sgd", loss="mse")
     with strategy.scope(), pytest.raises(UnsupportedOpError, match="MirroredStrategy"):
         tf_remat.optimize(plain, budget_gb=1.0, input_spec=xs, label_spec=ys, **FAST)
+
+
+def test_an_uncompiled_model_given_loss_and_optimizer_is_compiled_for_fit():
+    """``optimize(model, loss=..., optimizer=...)`` on a model never compiled: Keras's fit
+    refused it ('You must call compile()'). attach compiles it with what the step was traced
+    with, and fit then trains as Keras's own fit of the compiled model does."""
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    ref = bn_net(loss)
+    model = bn_net(loss, compile=False)  # the same seed: the same weights
+    assert all(np.array_equal(a, b) for a, b in zip(ref.get_weights(), model.get_weights()))
+    assert not model.compiled
+    xs, ys = tf.TensorSpec((32, 16, 16, 3)), tf.TensorSpec((32,), tf.int32)
+    opt = keras.optimizers.SGD(0.1, momentum=0.9)
+    step = tf_remat.optimize(model, budget_bytes=mid_budget(ref, xs, ys), input_spec=xs,
+                             label_spec=ys, loss=loss, optimizer=opt, verify=False, **FAST)
+    assert model.compiled and model.optimizer is opt and step.attached
+    assert step.report["recomputed_nodes"] > 0
+    x, y = data(xs, ys, n=64, seed=8)
+    fit = dict(batch_size=32, epochs=1, verbose=0, shuffle=False)
+    h_ref = ref.fit(x, y, **fit).history["loss"]
+    h = model.fit(x, y, **fit).history["loss"]
+    assert model.train_function == step._keras_train_function
+    assert np.allclose(h_ref, h, rtol=1e-5), (h_ref, h)
+    for a, b in zip(ref.get_weights(), model.get_weights()):
+        assert close(a, b, max(1.0, float(np.abs(a).max()))), np.abs(a - b).max()

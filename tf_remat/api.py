@@ -118,7 +118,8 @@ def optimize(model, budget_gb: float | None = None, *, budget_bytes: int | None 
         verify: run the rewritten step (variables saved and restored) in four allocator
             layouts and re-solve with a lower budget while the worst measured peak is over the
             budget less a margin (:func:`verification_margin`).
-        attach: make ``model.fit`` train with the rewritten step (undo with ``step.detach()``).
+        attach: make ``model.fit`` train with the rewritten step (undo with ``step.detach()``);
+            a model never compiled is compiled with ``loss`` and ``optimizer`` for it.
         chain: how the plan's order is imposed (see :func:`tf_remat.rewrite.rewrite`).
         plan: a :class:`~tf_remat.plan.Plan`, or the path of one saved from ``step.plan``, for
             this model's step at this batch size: it is run instead of a first solve. The
@@ -368,6 +369,17 @@ class OptimizedStep:
         old = getattr(model, "_tf_remat_step", None)
         if old is not None and old is not self:
             old.detach()
+        if not getattr(model, "compiled", True):
+            # Keras's fit refuses a model that was never compiled, and optimize traced the
+            # loss and optimizer it was given: compile with those (the traced optimizer
+            # instance, whose slots the step updates), without XLA, which the step runs
+            # without
+            model.compile(optimizer=self._traced_optimizer(), loss=self._opts["loss"],
+                          jit_compile=False)
+            if self._opts["verbose"]:
+                print("tf-remat: the model was not compiled; compiled it with the loss and "
+                      "optimizer given to optimize, for model.fit", file=sys.stderr,
+                      flush=True)
         this = self
 
         def make_train_function(force=False):
