@@ -952,3 +952,21 @@ def test_an_uncompiled_model_given_loss_and_optimizer_is_compiled_for_fit():
     assert np.allclose(h_ref, h, rtol=1e-5), (h_ref, h)
     for a, b in zip(ref.get_weights(), model.get_weights()):
         assert close(a, b, max(1.0, float(np.abs(a).max()))), np.abs(a - b).max()
+
+
+def test_another_batch_size_over_the_budget_says_which_and_the_way_out():
+    """fit at a batch size other than input_spec's builds a step within the same budget; when
+    none fits, the error names that batch size and optimize's, so it does not read as if
+    optimize's own budget were wrong. The weights stay as they were."""
+    model = bn_net(keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    xs, ys = tf.TensorSpec((4, 16, 16, 3)), tf.TensorSpec((4,), tf.int32)
+    g = tf_remat.extract_graph(model, input_spec=xs, label_spec=ys, cost_model="flops",
+                               verbose=0)
+    step = tf_remat.optimize(model, budget_bytes=g.no_remat_peak, input_spec=xs,
+                             label_spec=ys, verify=False, attach=False, **FAST)
+    before = [v.numpy() for v in model.variables]
+    x, y = data(tf.TensorSpec((64, 16, 16, 3)), tf.TensorSpec((64,), tf.int32), seed=9)
+    with pytest.raises(InfeasibleBudgetError,
+                       match=r"batch size 64 \(optimize solved for 4\).*train at batch size 4"):
+        step(x, y)
+    assert all(np.array_equal(a, v.numpy()) for a, v in zip(before, model.variables))

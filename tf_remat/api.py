@@ -496,7 +496,19 @@ class OptimizedStep:
                                                 f", sample weights of shape {key[1][0]}")
                 print(f"tf-remat: {what} (a plan within the same budget is built for it)",
                       file=sys.stderr, flush=True)
-            cache[key] = self._build(batch, apply_updates, weights)
+            spec_batch = _first_dim(self.input_spec)
+            try:
+                cache[key] = self._build(batch, apply_updates, weights)
+            except InfeasibleBudgetError as exc:
+                if batch == spec_batch:
+                    raise
+                # met inside model.fit, the bare message reads as if optimize's own budget
+                # were wrong: say which batch size does not fit, and the usual way out
+                raise InfeasibleBudgetError(
+                    f"batch size {batch} (optimize solved for {spec_batch}) does not fit the "
+                    f"budget: {exc}; or train at batch size {spec_batch} (fit's batch_size, "
+                    f"or the dataset's batches)", budget=exc.budget,
+                    min_feasible=exc.min_feasible, plan=exc.plan) from None
         return cache[key]
 
     def _build(self, batch, apply_updates, weights=None) -> _Built:
