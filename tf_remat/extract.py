@@ -972,6 +972,8 @@ def _random_like(spec, *, seed, labels=None):
             return tf.constant(rng.integers(0, max(labels or 2, 1), size=shape), s.dtype)
         if s.dtype.is_bool:
             return tf.constant(rng.integers(0, 2, size=shape).astype(bool))
+        if s.dtype == tf.string:  # raw text into a StringLookup or TextVectorization layer
+            return tf.constant(rng.integers(0, 100, size=shape).astype(str).astype(object))
         if labels is not None and len(shape) >= 1:  # float labels: a one-hot-like target
             return tf.constant(rng.random(size=shape).astype(s.dtype.as_numpy_dtype))
         return tf.constant(rng.standard_normal(size=shape).astype(s.dtype.as_numpy_dtype))
