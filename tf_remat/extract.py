@@ -649,7 +649,6 @@ def measure_workspace(traced: TracedStep, op_map: OpMap, *, x=None, y=None) -> l
     1 MiB: see ``_MIN_WORKSPACE``). All zeros when TensorFlow keeps no memory statistics for
     the device or the profiler is busy.
     """
-
     kind = current_device_kind()
     ws = [0] * op_map.n
     if memory_stats_missing(f"{kind}:0"):
