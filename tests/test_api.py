@@ -906,6 +906,61 @@ def test_a_step_kept_within_the_budget_but_not_the_margin_says_so(monkeypatch):
     assert step.report["margin_met"]
 
 
+@pytest.mark.parametrize("probe", [False, True])
+def test_resolves_before_the_budget_is_met_leave_the_share_for_the_margin(monkeypatch, probe):
+    """A re-solve that ran while no step was within the budget does not spend the share kept
+    for reaching the margin (unet_bn at 60%: a first plan over the budget, a whole-limit
+    re-solve within it but not the margin, kept untried at 0.95 and measured 1.03 in a fresh
+    process). A max-batch probe still counts it: the sizes it reports must fit with fewer
+    tries than the user's own optimize gets."""
+    import time
+
+    import tf_remat.api as api
+    import tf_remat.rewrite as rw
+    from tf_remat.extract import extract
+
+    model, xs, ys = fresh(cnn)
+    graph = extract(model, input_spec=xs, label_spec=ys, cost_model="flops", verbose=0).graph
+    budget = graph.no_remat_peak
+    limit = 3.0
+    real_solve, real_rewrite = api.solve_isolated, rw.rewrite
+    plans = []
+
+    def slow_first_resolve(*args, seed=0, **kwargs):
+        plan = real_solve(*args, seed=seed, **kwargs)
+        if seed == 1:  # the re-solve after a step over the budget: takes its whole limit
+            time.sleep(limit + 0.2)
+        return plan
+
+    def recording(traced, graph, op_map, plan, **kwargs):
+        plans.append(plan)
+        return real_rewrite(traced, graph, op_map, plan, **kwargs)
+
+    def measured(*args, **kwargs):
+        # over the budget, then within it but not the margin, then as simulated
+        m = [int(1.1 * budget), int(0.97 * budget)]
+        return {"step_peak_bytes": m[len(plans) - 1] if len(plans) <= 2 else
+                plans[-1].peak_memory}
+
+    monkeypatch.setattr(api, "solve_isolated", slow_first_resolve)
+    monkeypatch.setattr(rw, "rewrite", recording)
+    monkeypatch.setattr(api, "measure_step_peak", measured)
+    kw = {**FAST, "time_limit": limit}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the probe's step is kept at the edge, and says so
+        step = tf_remat.optimize(model, budget_bytes=budget, input_spec=xs, label_spec=ys,
+                                 attach=False, time_order=False, _probe=probe, **kw)
+    tries = step._primary().attempts
+    assert [t["measured"] for t in tries[:2]] == [int(1.1 * budget), int(0.97 * budget)]
+    assert tries[1]["time_limit"] == limit and tries[1]["solve_seconds"] > limit
+    if probe:
+        assert len(tries) == 2 and not step.report["margin_met"]
+    else:
+        # a quarter-limit re-solve after it, whose step measures within the margin
+        assert len(tries) == 3 and tries[2]["time_limit"] == limit / 4
+        assert step.report["margin_met"], tries
+
+
 def test_a_model_under_a_distribution_strategy_is_refused_clearly():
     """A model built under a tf.distribute strategy has mirrored variables; the rewritten step
     is a one-device step. TensorFlow's own failure said only 'Need to be inside with

@@ -91,7 +91,7 @@ def _probe(build, batch, budget, *, remat, strategy, time_limit, verbose, cost_m
         try:
             step = optimize(model, budget_bytes=budget, input_spec=input_spec,
                             label_spec=label_spec, strategy=strategy, time_limit=time_limit,
-                            verbose=0, cost_model=cost_model, attach=False)
+                            verbose=0, cost_model=cost_model, attach=False, _probe=True)
         except InfeasibleBudgetError:
             return None, time.perf_counter() - t0, False
         except RematError as exc:
