@@ -472,11 +472,39 @@ def augment(batch=32, hw=32):
     return model, tf.TensorSpec((batch, hw, hw, 3)), tf.TensorSpec((batch,), tf.int32)
 
 
+def _application(factory, hw, batch, optimizer):
+    """A ``keras.applications`` model (weights=None) at a CPU-sized input and batch: sizes
+    where activations, not the weights and optimizer slots, make up most of the step (at 64
+    pixels and batch 8, ResNet50V2, InceptionV3 and EfficientNetV2B0 cannot reach 60%)."""
+    def build():
+        import keras
+        import tensorflow as tf
+
+        model = getattr(keras.applications, factory)(
+            weights=None, input_shape=(hw, hw, 3), classes=10, classifier_activation=None)
+        opt = (keras.optimizers.SGD(0.01, momentum=0.9) if optimizer == "sgd"
+               else keras.optimizers.AdamW(1e-3))
+        model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      optimizer=opt, metrics=["accuracy"])
+        return model, tf.TensorSpec((batch, hw, hw, 3)), tf.TensorSpec((batch,), tf.int32)
+
+    build.__doc__ = f"keras.applications.{factory} at {hw}x{hw}, batch {batch}, {optimizer}"
+    return build
+
+
+#: inverted residuals with ReLU6; hard-swish and squeeze-excitation with a Rescaling input;
+#: pre-activation residuals; fused MBConv with stochastic depth; Inception's concatenations
+APPLICATIONS = {"mobilenetv2": _application("MobileNetV2", 64, 16, "sgd"),
+                "mobilenetv3s": _application("MobileNetV3Small", 64, 16, "adamw"),
+                "resnet50v2": _application("ResNet50V2", 96, 24, "sgd"),
+                "efficientnetv2": _application("EfficientNetV2B0", 96, 24, "adamw"),
+                "inceptionv3": _application("InceptionV3", 96, 24, "sgd")}
+
 MODELS = {"resdrop": resdrop, "unet_bn": unet_bn, "densenet": densenet,
           "efficientnet": efficientnet, "mixer": mixer, "decoder_gn": decoder_gn,
           "noisy": noisy, "bilstm": bilstm, "xception": xception, "tcn": tcn,
           "grouped": grouped, "regnet": regnet, "resmlp": resmlp,
-          "subclassed": subclassed, "augment": augment, "mixed": mixed}
+          "subclassed": subclassed, "augment": augment, "mixed": mixed, **APPLICATIONS}
 
 
 # --------------------------------------------------------------------- one case
