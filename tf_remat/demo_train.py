@@ -188,6 +188,11 @@ def run_training_demo(args) -> int:
 
     # ---- the table
     within = peak <= 1.05 * budget  # the worst layout, with the 5% slack of the checks
+    # a step verified within the budget can measure a few percent over it in this history
+    # (the allocator's free chunks differ): say so rather than call 100.4% "within budget"
+    where = ("within budget" if peak <= budget else
+             f"{100 * (peak / budget - 1):.1f}% over the budget, within its 5% slack"
+             if within else "OVER budget")
     overhead_meas = t_remat / t_plain - 1
     rows = [
         ("model", f"{model.name}, batch {batch}, {rep['nodes']} solver nodes"),
@@ -197,7 +202,7 @@ def run_training_demo(args) -> int:
         ("simulated peak (plan)", format_bytes(rep["predicted_peak_bytes"])),
         ("measured peak (rewritten)", f"{format_bytes(peak)} = {100 * peak / budget:.0f}% of "
                                       f"budget, {100 * peak / base_peak:.0f}% of plain "
-                                      f"({'within' if within else 'OVER'} budget)"),
+                                      f"({where})"),
         ("step time plain / rewritten", f"{1000 * t_plain:.0f} ms / {1000 * t_remat:.0f} ms"),
         ("overhead predicted / measured", f"{100 * (rep['predicted_overhead'] or 0):.1f}% / "
                                           f"{100 * overhead_meas:.1f}%" + (
@@ -222,8 +227,9 @@ def run_training_demo(args) -> int:
     ok = within and grads_ok and all(np.isfinite(losses))
     say("")
     say("demo " + ("passed" if ok else "FAILED") + ": measured peak "
-        + ("within" if within else "over") + " the budget, gradients "
-        + ("match" if grads_ok else "differ"))
+        + ("within the budget" if peak <= budget else
+           "within the budget's 5% slack" if within else "over the budget's 5% slack")
+        + ", gradients " + ("match" if grads_ok else "differ"))
     return 0 if ok else 1
 
 
