@@ -961,6 +961,47 @@ def test_resolves_before_the_budget_is_met_leave_the_share_for_the_margin(monkey
         assert step.report["margin_met"], tries
 
 
+def test_solves_that_find_no_plan_leave_six_measured_attempts(monkeypatch):
+    """A re-solve that finds no plan within its budget measures nothing and does not count
+    against the six measured attempts (nine solves in all at most): on the max-batch test's
+    step, three of six went to them, the three plans measured were all over the budget, and
+    optimize refused a budget that the next solve's plan met."""
+    import tf_remat.api as api
+    import tf_remat.rewrite as rw
+    from tf_remat.extract import extract
+
+    model, xs, ys = fresh(cnn)
+    graph = extract(model, input_spec=xs, label_spec=ys, cost_model="flops", verbose=0).graph
+    budget = graph.no_remat_peak
+    real_solve, real_rewrite = api.solve_isolated, rw.rewrite
+    calls, plans = [], []
+
+    def solve(graph, solve_budget, strategy, **kwargs):
+        calls.append(solve_budget)
+        if solve_budget < 0.9 * budget:  # no plan this low
+            return real_solve(graph, graph.budget_lower_bound - 1, strategy, **kwargs)
+        return real_solve(graph, solve_budget, strategy, **kwargs)
+
+    def recording(traced, graph, op_map, plan, **kwargs):
+        plans.append(plan)
+        return real_rewrite(traced, graph, op_map, plan, **kwargs)
+
+    def measured(*args, **kwargs):
+        # the first three plans just over the budget, the next as simulated
+        return {"step_peak_bytes": budget + 1 if len(plans) <= 3 else plans[-1].peak_memory}
+
+    monkeypatch.setattr(api, "solve_isolated", solve)
+    monkeypatch.setattr(rw, "rewrite", recording)
+    monkeypatch.setattr(api, "measure_step_peak", measured)
+    step = tf_remat.optimize(model, budget_bytes=budget, input_spec=xs, label_spec=ys,
+                             attach=False, time_order=False, **FAST)
+    tries = step._primary().attempts
+    # more than six solves (the old limit, which refused here), six measured at most
+    measured_tries = [t for t in tries if t["measured"] is not None]
+    assert 6 < len(tries) <= 9 and len(measured_tries) <= 6, tries
+    assert step.report["margin_met"] and step.plan.peak_memory < 0.9 * budget + 1
+
+
 def test_a_model_under_a_distribution_strategy_is_refused_clearly():
     """A model built under a tf.distribute strategy has mirrored variables; the rewritten step
     is a one-device step. TensorFlow's own failure said only 'Need to be inside with
