@@ -36,7 +36,7 @@ _MAX_ATTEMPTS = 6
 #: do not count, up to this many more solves in all: they measure nothing. On the max-batch
 #: test's step three of the six went to them, which left three measured plans, all over the
 #: budget, and optimize refused a budget where the next solve's plan measured well within it
-#: (in 1 of 5 fresh runs at the budget, and 1 of 5 at 1.05 times it; tools/bench_budget_path.py)
+#: (in 1 of 10 fresh runs at the budget, and 1 of 10 at 1.05 times it; budget_path.md)
 _MAX_NO_PLAN = 3
 #: re-solves share this many ``time_limit``s in all once a step within the budget exists;
 #: before that, meeting the budget comes first and what they take is not counted (unet_bn at
