@@ -147,11 +147,11 @@ def _markdown(rows, args, budget, env):
     for f in args.factors:
         rs = [r for r in rows if r["factor"] == f]
         meas = [r["measured"] / r["budget"] for r in rs if r["measured"] is not None]
-        out.append(f"| x{f:g} ({_mib(int(f * budget))} MiB) | {len(rs)} | "
-                   f"{sum(r['result'] == 'margin met' for r in rs)} | "
-                   f"{sum(r['result'] == 'at the edge' for r in rs)} | "
-                   f"{sum(r['result'] == 'refused' for r in rs)} | "
-                   f"{statistics.median(meas):.3f} |" if meas else "| - |")
+        median = f"{statistics.median(meas):.3f}" if meas else "-"
+        counts = " | ".join(str(sum(r["result"] == k for r in rs))
+                            for k in ("margin met", "at the edge", "refused"))
+        out.append(f"| x{f:g} ({_mib(int(f * budget))} MiB) | {len(rs)} | {counts} | "
+                   f"{median} |")
     out += ["", "| budget | run | result | measured MiB | path | seconds |",
             "|---|---|---|---|---|---|"]
     for r in rows:
