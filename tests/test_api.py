@@ -687,6 +687,94 @@ def test_regularizers_and_nesterov_momentum_train_as_keras_does(explicit_loss):
         assert close(a, b, max(1.0, float(np.abs(a).max()))), np.abs(a - b).max()
 
 
+def test_optimizer_options_train_as_keras_does():
+    """Clipping by global norm, decoupled weight decay, an exponential moving average written
+    back every two steps and gradients accumulated over two batches: Keras 3 runs all of them
+    inside ``apply_gradients`` (the accumulation and the write-back behind conditionals on
+    ``iterations``), which the rewritten step traces with the rest. After four steps from the
+    same state, the losses, weights and every optimizer variable (moments, averages,
+    accumulators, iterations) equal those of Keras's own ``train_on_batch``."""
+    from tf_remat.extract import extract
+
+    keras.utils.set_random_seed(5)
+    inp = keras.Input((32, 32, 3))
+    h = keras.layers.Conv2D(16, 3, padding="same", activation="relu")(inp)
+    r = keras.layers.Conv2D(16, 3, padding="same", activation="relu")(h)
+    h = keras.layers.BatchNormalization()(keras.layers.Add()([h, r]))
+    h = keras.layers.Conv2D(16, 3, padding="same", activation="relu")(h)
+    out = keras.layers.Dense(10)(keras.layers.GlobalAveragePooling2D()(h))
+    model = keras.Model(inp, out)  # no dropout: both steps compute the same function
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  optimizer=keras.optimizers.AdamW(1e-2, weight_decay=0.05, global_clipnorm=0.5,
+                                                   use_ema=True, ema_overwrite_frequency=2,
+                                                   gradient_accumulation_steps=2))
+    model.optimizer.build(model.trainable_variables)
+    xs, ys = tf.TensorSpec((32, 32, 32, 3)), tf.TensorSpec((32,), tf.int32)
+    g = extract(model, input_spec=xs, label_spec=ys, cost_model="flops", verbose=0).graph
+    step = tf_remat.optimize(model, budget_bytes=(g.budget_lower_bound + g.no_remat_peak) // 2,
+                             input_spec=xs, label_spec=ys, verify=False, attach=False, **FAST)
+    assert step.report["recomputed_nodes"] > 0
+    batches = [tuple(tf.constant(a) for a in data(xs, ys, seed=s)) for s in range(4)]
+    tracked = list(model.variables) + list(model.optimizer.variables)
+    snap = Snapshot(tracked)
+    try:
+        keras_loss = [float(model.train_on_batch(x, y)) for x, y in batches]
+        w1 = snap.now()
+        snap.restore()
+        ours = [float(step(x, y)) for x, y in batches]
+        w2 = snap.now()
+    finally:
+        snap.restore()
+    it = next(i for i, v in enumerate(tracked) if v.path.endswith("/iteration"))
+    assert int(w1[it]) == int(w2[it]) == 4  # counts batches; updates are every second one
+    assert np.allclose(ours, keras_loss, rtol=1e-5), (ours, keras_loss)
+    assert len(w1) == len(w2) == len(tracked)
+    for v, a, b in zip(tracked, w1, w2):
+        assert close(a, b, max(1.0, float(np.abs(a).max()))), (v.path, np.abs(a - b).max())
+
+
+def test_fit_with_steps_per_execution_and_validation_matches_keras():
+    """``compile(steps_per_execution=3)`` makes Keras's train function run three steps per call
+    (seven batches an epoch: two full calls and a remainder of one), with metrics and
+    validation after each epoch. Fit on the rewritten step gives the history and weights of
+    Keras's own fit from the same start (no dropout, no shuffling)."""
+    from tf_remat.extract import extract
+
+    def build():
+        keras.utils.set_random_seed(5)
+        inp = keras.Input((32, 32, 3))
+        h = keras.layers.Conv2D(16, 3, padding="same", activation="relu")(inp)
+        r = keras.layers.Conv2D(16, 3, padding="same", activation="relu")(h)
+        h = keras.layers.BatchNormalization()(keras.layers.Add()([h, r]))
+        h = keras.layers.Conv2D(16, 3, padding="same", activation="relu")(h)
+        out = keras.layers.Dense(10)(keras.layers.GlobalAveragePooling2D()(h))
+        model = keras.Model(inp, out)
+        model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      optimizer="adam", metrics=["accuracy"], steps_per_execution=3)
+        return model
+
+    xs, ys = tf.TensorSpec((32, 32, 32, 3)), tf.TensorSpec((32,), tf.int32)
+    x, y = data(xs, ys, n=7 * 32, seed=2)
+    fit = dict(batch_size=32, epochs=2, shuffle=False, verbose=0, validation_data=(x[:64], y[:64]))
+    ref = build()
+    want = ref.fit(x, y, **fit).history
+    model = build()
+    g = extract(model, input_spec=xs, label_spec=ys, cost_model="flops", verbose=0).graph
+    step = tf_remat.optimize(model, budget_bytes=(g.budget_lower_bound + g.no_remat_peak) // 2,
+                             input_spec=xs, label_spec=ys, verify=False, time_order=False,
+                             **FAST)
+    assert step.report["recomputed_nodes"] > 0
+    got = model.fit(x, y, **fit).history
+    assert model.train_function == step._keras_train_function
+    assert sorted(got) == sorted(want) == ["accuracy", "loss", "val_accuracy", "val_loss"]
+    for key in want:
+        assert np.allclose(got[key], want[key], rtol=1e-5), (key, got[key], want[key])
+    assert int(model.optimizer.iterations) == int(ref.optimizer.iterations) == 14
+    for a, b in zip(ref.variables, model.variables):
+        a = np.asarray(a)
+        assert close(a, np.asarray(b), max(1.0, float(np.abs(a).max())))
+
+
 def bn_net(loss, compile=True):
     """Convolutions, BatchNorm and a residual skip, no dropout: Keras's step and a rewritten
     one compute the same function, so their updates can be compared weight by weight."""
