@@ -1049,6 +1049,56 @@ def test_resolves_before_the_budget_is_met_leave_the_share_for_the_margin(monkey
         assert step.report["margin_met"], tries
 
 
+def test_a_refusal_over_measured_peaks_hands_back_the_plan_that_meets_its_figure(monkeypatch):
+    """When every plan measures over the budget, the refusal names the best measured peak as
+    the budget to raise to, and carries that plan: optimize at that budget with it runs it
+    without a solve (a fresh solve at another budget takes another path and may measure
+    more, so raising the budget alone promised nothing)."""
+    import tf_remat.api as api
+    import tf_remat.rewrite as rw
+    from tf_remat.extract import extract
+
+    model, xs, ys = fresh(cnn)
+    graph = extract(model, input_spec=xs, label_spec=ys, cost_model="flops", verbose=0).graph
+    budget = graph.no_remat_peak
+    real_solve, real_rewrite = api.solve_isolated, rw.rewrite
+    solves, plans = [], []
+
+    def solve(*args, **kwargs):
+        solves.append(args[1])
+        return real_solve(*args, **kwargs)
+
+    def recording(traced, graph, op_map, plan, **kwargs):
+        plans.append(plan)
+        return real_rewrite(traced, graph, op_map, plan, **kwargs)
+
+    seen = {}
+
+    def measured(*args, **kwargs):  # every plan over the budget, the first least
+        key = tuple(plans[-1].sequence)
+        return {"step_peak_bytes": budget + 4096 * seen.setdefault(key, len(seen) + 1)}
+
+    monkeypatch.setattr(api, "solve_isolated", solve)
+    monkeypatch.setattr(rw, "rewrite", recording)
+    monkeypatch.setattr(api, "measure_step_peak", measured)
+    before = model_state(model)
+    with pytest.raises(InfeasibleBudgetError, match="err.plan") as info:
+        tf_remat.optimize(model, budget_bytes=budget, input_spec=xs, label_spec=ys,
+                          attach=False, time_order=False, **FAST)
+    err = info.value
+    assert err.min_feasible == budget + 4096 and len(seen) > 1
+    assert all(np.array_equal(a, b) for a, b in zip(before, model_state(model)))
+    solves.clear()
+    with pytest.warns(UserWarning, match="within the budget .* but over"):  # at its edge
+        step = tf_remat.optimize(model, budget_bytes=err.min_feasible, input_spec=xs,
+                                 label_spec=ys, plan=err.plan, attach=False,
+                                 time_order=False, **FAST)
+    rep = step.report
+    assert not solves and rep["plan_source"] == "given"
+    assert step.plan.sequence == err.plan.sequence
+    assert rep["measured_peak_bytes"] == err.min_feasible
+
+
 def test_solves_that_find_no_plan_leave_six_measured_attempts(monkeypatch):
     """A re-solve that finds no plan within its budget measures nothing and does not count
     against the six measured attempts (nine solves in all at most): on the max-batch test's

@@ -725,7 +725,10 @@ class OptimizedStep:
                 f"budget {format_bytes(budget)} could not be met as TensorFlow measures it: the "
                 f"best plan found predicts {format_bytes(best.plan.peak_memory)} but measures "
                 f"{format_bytes(m)} on this device (after {len(attempts)} attempt(s)); raise "
-                f"the budget to at least {format_bytes(m)} or lower the batch size"
+                f"the budget to at least {format_bytes(m)} or lower the batch size. That "
+                f"plan is this error's .plan: optimize(..., budget_bytes=err.min_feasible, "
+                f"plan=err.plan) runs it again rather than solving anew (another solve at "
+                f"another budget takes another path, and may measure more)"
                 + (f". {_loops_note(loops)}" if loops else ""),
                 budget=budget, min_feasible=m, plan=best.plan)
         best = accepted
