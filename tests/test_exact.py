@@ -210,6 +210,21 @@ def test_highs_worker_is_killed_at_the_deadline_and_keeps_incumbents():
         assert again["s"] is None and again["info"]["highs_status"] == "not run"
 
 
+def test_highs_worker_closed_twice_reaps_its_child_once():
+    """close() runs at a deadline and again on __exit__: one thread reaps the child and closes
+    its pipe (two raced on CI: "I/O operation on closed file" in the second)."""
+    from tf_remat.solvers._highs_worker import HighsWorker
+    from tf_remat.solvers._staged import Positions
+
+    g = random_layered_graph(10, seed=1)
+    with HighsWorker(g, Positions(g).order, g.no_remat_peak) as w:
+        w.close()
+        reaper = w._reaper
+    assert w._reaper is reaper
+    reaper.join(10)
+    assert not reaper.is_alive() and w.proc.returncode is not None and w.proc.stdin.closed
+
+
 def test_checkmate_falls_back_to_first_plan_when_highs_child_dies(monkeypatch):
     import signal
 

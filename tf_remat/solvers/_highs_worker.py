@@ -63,6 +63,7 @@ class HighsWorker:
         self.proc = spawn_module("tf_remat.solvers._highs_worker", _ENV, stderr=self._err)
         self.dead = None  # why the child is gone, once it is
         self.build_seconds = None
+        self._reaper = None
         self._q = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
         self._send({"graph": graph.to_dict(), "order": [int(v) for v in order],
@@ -119,8 +120,12 @@ class HighsWorker:
                 pass
         if self.dead is None:
             self.dead = "closed"
-        # freeing a few GiB takes a moment: reap it off the caller's clock
-        threading.Thread(target=self._reap, daemon=True).start()
+        # freeing a few GiB takes a moment: reap it off the caller's clock, in one thread
+        # (close runs again on __exit__, and two reapers closing one pipe race: CI saw
+        # "I/O operation on closed file" from the second)
+        if self._reaper is None:
+            self._reaper = threading.Thread(target=self._reap, daemon=True)
+            self._reaper.start()
 
     def _reap(self):
         try:
@@ -129,7 +134,7 @@ class HighsWorker:
             for f in (self.proc.stdin, self._err):
                 try:
                     f.close()
-                except OSError:
+                except (OSError, ValueError):  # a broken pipe's flush; closed elsewhere
                     pass
 
     def __enter__(self):
