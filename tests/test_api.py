@@ -638,6 +638,26 @@ def test_mixed_precision_dict_model_recomputes_exactly():
         keras.mixed_precision.set_global_policy(old)
 
 
+def trains_as_keras(model, step, batches):
+    """Keras's ``train_on_batch`` over ``batches``, then ``step`` over them from the same start
+    (restored after): asserts equal losses and equal model and optimizer variables. Returns
+    Keras's losses, the step's (as it returned them) and each variable's value by path."""
+    tracked = list(model.variables) + list(model.optimizer.variables)
+    snap = Snapshot(tracked)
+    try:
+        keras_loss = [float(model.train_on_batch(x, y)) for x, y in batches]
+        w1 = snap.now()
+        snap.restore()
+        ours = [step(x, y) for x, y in batches]
+        w2 = snap.now()
+    finally:
+        snap.restore()
+    assert np.allclose([float(t) for t in ours], keras_loss, rtol=1e-5), (ours, keras_loss)
+    for v, a, b in zip(tracked, w1, w2):
+        assert close(a, b, max(1.0, float(np.abs(a).max()))), (v.path, np.abs(a - b).max())
+    return keras_loss, ours, {v.path: a for v, a in zip(tracked, w1)}
+
+
 @pytest.mark.parametrize("explicit_loss", [False, True])
 def test_regularizers_and_nesterov_momentum_train_as_keras_does(explicit_loss):
     """Kernel regularizers (the loss adds ``model.losses``) and SGD with Nesterov momentum:
@@ -671,20 +691,9 @@ def test_regularizers_and_nesterov_momentum_train_as_keras_does(explicit_loss):
     assert step.report["recomputed_nodes"] > 0
     x, y = (tf.constant(a) for a in data(xs, ys, seed=4))
     penalty = float(tf.add_n(model.losses))
-    snap = Snapshot(list(model.variables) + list(model.optimizer.variables))
-    try:
-        keras_loss = [float(model.train_on_batch(x, y)) for _ in range(2)]
-        w1 = snap.now()
-        snap.restore()
-        ours = [float(step(x, y)) for _ in range(2)]
-        w2 = snap.now()
-    finally:
-        snap.restore()
+    keras_loss, _, _ = trains_as_keras(model, step, [(x, y)] * 2)
     # the penalties are a visible part of the loss: leaving them out would fail the comparison
     assert penalty > 1e-2 * keras_loss[0]
-    assert np.allclose(ours, keras_loss, rtol=1e-5), (ours, keras_loss)
-    for a, b in zip(w1, w2):
-        assert close(a, b, max(1.0, float(np.abs(a).max()))), np.abs(a - b).max()
 
 
 def test_optimizer_options_train_as_keras_does():
@@ -705,22 +714,9 @@ def test_optimizer_options_train_as_keras_does():
                              label_spec=ys, verify=False, attach=False, **FAST)
     assert step.report["recomputed_nodes"] > 0
     batches = [tuple(tf.constant(a) for a in data(xs, ys, seed=s)) for s in range(4)]
-    tracked = list(model.variables) + list(model.optimizer.variables)
-    snap = Snapshot(tracked)
-    try:
-        keras_loss = [float(model.train_on_batch(x, y)) for x, y in batches]
-        w1 = snap.now()
-        snap.restore()
-        ours = [float(step(x, y)) for x, y in batches]
-        w2 = snap.now()
-    finally:
-        snap.restore()
-    it = next(i for i, v in enumerate(tracked) if v.path.endswith("/iteration"))
-    assert int(w1[it]) == int(w2[it]) == 4  # counts batches; updates are every second one
-    assert np.allclose(ours, keras_loss, rtol=1e-5), (ours, keras_loss)
-    assert len(w1) == len(w2) == len(tracked)
-    for v, a, b in zip(tracked, w1, w2):
-        assert close(a, b, max(1.0, float(np.abs(a).max()))), (v.path, np.abs(a - b).max())
+    _, _, after = trains_as_keras(model, step, batches)
+    iteration = [a for path, a in after.items() if path.endswith("/iteration")]
+    assert [int(a) for a in iteration] == [4]  # counts batches; updates are every second one
 
 
 def test_fit_with_steps_per_execution_and_validation_matches_keras():
@@ -823,19 +819,8 @@ def test_a_loss_given_by_name_is_the_batch_mean_as_in_compile():
     assert step.report["recomputed_nodes"] > 0
     x = tf.random.stateless_normal(xs.shape, seed=(1, 1))
     y = tf.random.stateless_normal(ys.shape, seed=(2, 2))
-    snap = Snapshot(list(model.variables) + list(model.optimizer.variables))
-    try:
-        keras_loss = [float(model.train_on_batch(x, y)) for _ in range(2)]
-        w1 = snap.now()
-        snap.restore()
-        ours = [step(x, y) for _ in range(2)]
-        w2 = snap.now()
-    finally:
-        snap.restore()
+    _, ours, _ = trains_as_keras(model, step, [(x, y)] * 2)
     assert all(t.shape == () for t in ours)
-    assert np.allclose([float(t) for t in ours], keras_loss, rtol=1e-5), (ours, keras_loss)
-    for a, b in zip(w1, w2):
-        assert close(a, b, max(1.0, float(np.abs(a).max()))), np.abs(a - b).max()
 
 
 @pytest.mark.parametrize("declared", [False, True])
@@ -973,6 +958,20 @@ def test_a_step_kept_within_the_budget_but_not_the_margin_says_so(monkeypatch):
     assert step.report["margin_met"]
 
 
+def record_plans(monkeypatch) -> list:
+    """Make ``rewrite`` record every plan ``optimize`` builds a step for, in order."""
+    import tf_remat.rewrite as rw
+
+    real, plans = rw.rewrite, []
+
+    def recording(traced, graph, op_map, plan, **kwargs):
+        plans.append(plan)
+        return real(traced, graph, op_map, plan, **kwargs)
+
+    monkeypatch.setattr(rw, "rewrite", recording)
+    return plans
+
+
 @pytest.mark.parametrize("probe", [False, True])
 def test_resolves_before_the_budget_is_met_leave_the_share_for_the_margin(monkeypatch, probe):
     """A re-solve that ran while no step was within the budget does not spend the share kept
@@ -983,25 +982,20 @@ def test_resolves_before_the_budget_is_met_leave_the_share_for_the_margin(monkey
     import time
 
     import tf_remat.api as api
-    import tf_remat.rewrite as rw
     from tf_remat.extract import extract
 
     model, xs, ys = fresh(cnn)
     graph = extract(model, input_spec=xs, label_spec=ys, cost_model="flops", verbose=0).graph
     budget = graph.no_remat_peak
     limit = 3.0
-    real_solve, real_rewrite = api.solve_isolated, rw.rewrite
-    plans = []
+    real_solve = api.solve_isolated
+    plans = record_plans(monkeypatch)
 
     def slow_first_resolve(*args, seed=0, **kwargs):
         plan = real_solve(*args, seed=seed, **kwargs)
         if seed == 1:  # the re-solve after a step over the budget: takes its whole limit
             time.sleep(limit + 0.2)
         return plan
-
-    def recording(traced, graph, op_map, plan, **kwargs):
-        plans.append(plan)
-        return real_rewrite(traced, graph, op_map, plan, **kwargs)
 
     def measured(*args, **kwargs):
         # over the budget, then within it but not the margin, then as simulated
@@ -1010,7 +1004,6 @@ def test_resolves_before_the_budget_is_met_leave_the_share_for_the_margin(monkey
                 plans[-1].peak_memory}
 
     monkeypatch.setattr(api, "solve_isolated", slow_first_resolve)
-    monkeypatch.setattr(rw, "rewrite", recording)
     monkeypatch.setattr(api, "measure_step_peak", measured)
     kw = {**FAST, "time_limit": limit}
     with warnings.catch_warnings():
@@ -1034,22 +1027,17 @@ def test_a_refusal_over_measured_peaks_hands_back_the_plan_that_meets_its_figure
     without a solve (a fresh solve at another budget takes another path and may measure
     more, so raising the budget alone promised nothing)."""
     import tf_remat.api as api
-    import tf_remat.rewrite as rw
     from tf_remat.extract import extract
 
     model, xs, ys = fresh(cnn)
     graph = extract(model, input_spec=xs, label_spec=ys, cost_model="flops", verbose=0).graph
     budget = graph.no_remat_peak
-    real_solve, real_rewrite = api.solve_isolated, rw.rewrite
-    solves, plans = [], []
+    real_solve = api.solve_isolated
+    solves, plans = [], record_plans(monkeypatch)
 
     def solve(*args, **kwargs):
         solves.append(args[1])
         return real_solve(*args, **kwargs)
-
-    def recording(traced, graph, op_map, plan, **kwargs):
-        plans.append(plan)
-        return real_rewrite(traced, graph, op_map, plan, **kwargs)
 
     seen = {}
 
@@ -1058,7 +1046,6 @@ def test_a_refusal_over_measured_peaks_hands_back_the_plan_that_meets_its_figure
         return {"step_peak_bytes": budget + 4096 * seen.setdefault(key, len(seen) + 1)}
 
     monkeypatch.setattr(api, "solve_isolated", solve)
-    monkeypatch.setattr(rw, "rewrite", recording)
     monkeypatch.setattr(api, "measure_step_peak", measured)
     before = model_state(model)
     with pytest.raises(InfeasibleBudgetError, match="err.plan") as info:
@@ -1086,15 +1073,13 @@ def test_solves_that_find_no_plan_leave_six_measured_attempts(monkeypatch, probe
     optimize refused a budget that the next solve's plan met. A max-batch probe keeps to six
     solves: the sizes it reports must fit with fewer tries than the user's optimize gets."""
     import tf_remat.api as api
-    import tf_remat.rewrite as rw
-    from tf_remat.errors import InfeasibleBudgetError
     from tf_remat.extract import extract
 
     model, xs, ys = fresh(cnn)
     graph = extract(model, input_spec=xs, label_spec=ys, cost_model="flops", verbose=0).graph
     budget = graph.no_remat_peak
-    real_solve, real_rewrite = api.solve_isolated, rw.rewrite
-    calls, plans = [], []
+    real_solve = api.solve_isolated
+    calls, plans = [], record_plans(monkeypatch)
 
     def solve(graph, solve_budget, strategy, **kwargs):
         calls.append(solve_budget)
@@ -1102,16 +1087,11 @@ def test_solves_that_find_no_plan_leave_six_measured_attempts(monkeypatch, probe
             return real_solve(graph, graph.budget_lower_bound - 1, strategy, **kwargs)
         return real_solve(graph, solve_budget, strategy, **kwargs)
 
-    def recording(traced, graph, op_map, plan, **kwargs):
-        plans.append(plan)
-        return real_rewrite(traced, graph, op_map, plan, **kwargs)
-
     def measured(*args, **kwargs):
         # the first three plans just over the budget, the next as simulated
         return {"step_peak_bytes": budget + 1 if len(plans) <= 3 else plans[-1].peak_memory}
 
     monkeypatch.setattr(api, "solve_isolated", solve)
-    monkeypatch.setattr(rw, "rewrite", recording)
     monkeypatch.setattr(api, "measure_step_peak", measured)
     if probe:
         with pytest.raises(InfeasibleBudgetError):
