@@ -605,12 +605,7 @@ class OptimizedStep:
                 print(f"tf-remat: batch size {batch}{'' if weights is None else ', weighted,'} "
                       f"runs the plan of {donor} (the same graph; simulated "
                       f"{format_bytes(given.peak_memory)} here)", file=sys.stderr, flush=True)
-        # a max-batch probe keeps to six solves in all: its sizes must fit with fewer tries
-        # than the user's own optimize will get (as with its re-solve time, below), and a
-        # size that does not fit stops there (the max-batch test's search, one run each: 570 s
-        # with nine, its four sizes that do not fit ~90 s apiece; 400 s with six, same sizes)
-        solves = _MAX_ATTEMPTS + (0 if o.get("probe") else _MAX_NO_PLAN)
-        for attempt in range(solves if o["verify"] else 1):
+        for attempt in range(_MAX_ATTEMPTS + _MAX_NO_PLAN if o["verify"] else 1):
             if sum(a["predicted"] is not None for a in attempts) >= _MAX_ATTEMPTS:
                 break
             this_limit = limit

@@ -291,7 +291,7 @@ def _confirmed(fits, found, floor, times, passed=()) -> int:
     number of solves. A size's trials stop at its first failure. After ``found`` fails, the
     sizes tried gallop down (1, 2, 4, ... below it) to the first that passes, then bisect
     between it and the smallest that failed: a failure is a full ``optimize`` that solves up to
-    six times, and stepping down one size per failure cost the transformer more than 20 min.
+    nine times, and stepping down one size per failure cost the transformer more than 20 min.
     The floor (the plain size) needs no solve.
     """
     passed = set(passed) | {found}
