@@ -299,6 +299,28 @@ def test_search_finds_the_largest_fitting_size_up_to_the_limit(largest, start, l
     assert len(tried) == len(set(tried)), tried  # no size measured twice
 
 
+@pytest.mark.parametrize("largest,start,floor,first", [(34, 12, 16, 32), (16, 12, 16, 32),
+                                                        (10, 12, 16, 32), (100, 12, 16, 32),
+                                                        (30, 24, 5, 24), (7, 24, 5, 24),
+                                                        (47, 12, 48, None)])
+def test_search_above_the_plain_size_never_probes_it(largest, start, floor, first):
+    """The rematerialized search starts above the plain size, which fits as it is: a
+    rewritten step probed there can measure over the budget (one bn_cnn search then
+    galloped up from 1 and reported the plain size alone)."""
+    from tf_remat.batch import _search
+
+    tried = []
+
+    def fits(b):
+        assert floor < b <= 48, b
+        tried.append(b)
+        return b <= largest
+
+    assert _search(fits, start, 48, floor=floor) == max(floor, min(largest, 48))
+    assert (tried[:1] or [None]) == [first], tried
+    assert len(tried) == len(set(tried)), tried
+
+
 @pytest.mark.parametrize("passes,searched,expect,order", [
     # the found size passes both confirmations
     ({36: 2}, (), 36, [36, 36]),

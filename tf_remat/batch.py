@@ -261,7 +261,11 @@ def max_batch_size(build, budget_gb: float | None = None, *, budget_bytes: int |
         return ok
 
     plain = _search(lambda b: fits(b, False), start, max_batch)
-    remat = _search(lambda b: fits(b, True), max(start, plain or start), max_batch)
+    # only sizes above the plain one are searched: the plain size fits as it is, and a
+    # rewritten step probed there first (as this search once did) can measure over the
+    # budget for its own allocator luck; the search then fell back to galloping up from 1
+    # and reported the plain size alone (benchmarks/results/max_batch.md)
+    remat = _search(lambda b: fits(b, True), start, max_batch, floor=plain)
     searched = {p["batch"] for p in probes if p["remat"] and p["fits"]}
     remat = _confirmed(lambda b: fits(b, True, check=True), remat, plain, confirm, searched)
     remat = max(remat, plain)
@@ -324,10 +328,16 @@ def _bisect(fits, lo, hi) -> int:
     return lo
 
 
-def _search(fits, start, limit) -> int:
-    """Largest b in [1, limit] with fits(b), assuming monotone; doubling then bisection."""
-    lo, hi = 0, None
-    b = min(start, limit)
+def _search(fits, start, limit, floor=0) -> int:
+    """Largest b in [1, limit] with fits(b), assuming monotone; doubling then bisection.
+
+    With ``floor`` > 0, a size known to fit without a probe: the sizes tried start at twice
+    it (or at ``start``, if larger), and the result is at least ``floor``.
+    """
+    if floor >= limit:
+        return floor
+    lo, hi = floor, None
+    b = min(max(start, 2 * floor) if floor else start, limit)
     while True:
         if fits(b):
             lo = b
