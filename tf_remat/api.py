@@ -584,6 +584,21 @@ class OptimizedStep:
         too_high = None    # the lowest solve budget whose plan measured over the budget
         no_plan = None     # the highest solve budget the solver found no plan for
         below_no_plan = False  # whether a solve under no_plan was tried once more
+        # the lowest simulated peak of a plan measured over the target: a solve for that much
+        # or more may return that plan again, so the next solve aims under it (at batch 48 of
+        # the max-batch test three solves in a row returned the one plan, each measured over
+        # again: 30 s of a 100 s refusal), and the search stops when that aim would be within
+        # 0.5% of the budget under it (budget_path.md)
+        low_over = None
+
+        def under_low_over(nxt, lo):
+            # halfway down to ``lo``, a budget the solver found no plan for; a heuristic
+            # solver may find a plan under such a budget later, and then a point under it
+            if low_over is None or nxt < low_over:
+                return nxt
+            if lo is not None and lo < low_over:
+                return (lo + low_over) // 2
+            return low_over - int(0.01 * budget)
         plan = None
         limit = o["time_limit"]
         resolve_left = None if limit is None else _RESOLVE_SHARE * limit
@@ -655,6 +670,14 @@ class OptimizedStep:
                     nxt = (solve_budget + too_high) // 2
                     if too_high - nxt < 0.002 * budget:
                         break
+                    nxt = under_low_over(nxt, solve_budget)
+                    if low_over - nxt < 0.005 * budget:
+                        if verbose:
+                            print(f"tf-remat: no plan within {format_bytes(solve_budget)}, "
+                                  f"and a plan of {format_bytes(low_over)} measured over "
+                                  f"{format_bytes(target)}; stopping",
+                                  file=sys.stderr, flush=True)
+                        break
                 solve_budget = nxt
                 continue
             tr = time.perf_counter()
@@ -688,6 +711,7 @@ class OptimizedStep:
                       f"{format_bytes(m)} here, over the "
                       f"budget {format_bytes(budget)}; solving", file=sys.stderr, flush=True)
             too_high = solve_budget if too_high is None else min(too_high, solve_budget)
+            low_over = plan.peak_memory if low_over is None else min(low_over, plan.peak_memory)
             excess = m - plan.peak_memory
             nxt = min(target - excess - int(0.005 * budget),
                       solve_budget - int(0.01 * budget))
@@ -701,7 +725,9 @@ class OptimizedStep:
                     # one solve, every plan above it measuring 12-22 MiB over its prediction)
                     below_no_plan = True
             nxt = max(nxt, graph.budget_lower_bound)
-            if nxt >= too_high or too_high - nxt < 0.002 * budget:
+            nxt = under_low_over(nxt, no_plan)
+            if nxt >= too_high or too_high - nxt < 0.002 * budget or \
+                    low_over - nxt < 0.005 * budget:
                 break
             if verbose:
                 print(f"tf-remat: measured peak {format_bytes(m)} is over "
