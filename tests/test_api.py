@@ -1118,8 +1118,9 @@ def test_no_resolve_for_as_much_as_a_plan_measured_over(monkeypatch):
     solves = []  # (solve budget, simulated peak of its plan or None)
 
     def solve(graph, solve_budget, strategy, **kwargs):
-        floor = solve_budget if solve_budget >= 0.9 * budget else graph.budget_lower_bound - 1
-        plan = real_solve(graph, floor, strategy, **kwargs)
+        # no plan under 0.9 of the budget: the solver's floor
+        asked = solve_budget if solve_budget >= 0.9 * budget else graph.budget_lower_bound - 1
+        plan = real_solve(graph, asked, strategy, **kwargs)
         solves.append((solve_budget, plan.peak_memory if plan.within_budget else None))
         return plan
 

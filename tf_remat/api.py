@@ -592,8 +592,9 @@ class OptimizedStep:
         low_over = None
 
         def under_low_over(nxt, lo):
-            # halfway down to ``lo``, a budget the solver found no plan for; a heuristic
-            # solver may find a plan under such a budget later, and then a point under it
+            # an aim at or over low_over moves halfway down to ``lo``, a budget the solver
+            # found no plan for; or 1% of the budget under low_over when ``lo`` is not under
+            # it (a heuristic solve can later find a plan under a budget that had none)
             if low_over is None or nxt < low_over:
                 return nxt
             if lo is not None and lo < low_over:
