@@ -179,6 +179,71 @@ def mixer(batch=32, patches=64, dim=128, depth=4):
     return model, tf.TensorSpec((batch, patches, dim)), tf.TensorSpec((batch,), tf.int32)
 
 
+def vit(batch=32, hw=32, patch=4, dim=96, heads=4, depth=4):
+    """A small vision transformer: a strided Conv2D patch stem with BatchNorm, a learned
+    position embedding, pre-norm blocks of MultiHeadAttention (attention-probability Dropout)
+    and a GELU MLP with Dropout, residual adds, a class head on the mean token."""
+    import keras
+    import tensorflow as tf
+
+    tokens = (hw // patch) ** 2
+    inp = keras.Input((hw, hw, 3))
+    h = keras.layers.Conv2D(dim, patch, strides=patch, use_bias=False)(inp)
+    h = keras.layers.BatchNormalization()(h)
+    h = keras.layers.Reshape((tokens, dim))(h)
+    pos = keras.layers.Embedding(tokens, dim)(keras.ops.arange(tokens)[None])
+    h = keras.layers.Add()([h, pos])
+    for _ in range(depth):
+        a = keras.layers.LayerNormalization(epsilon=1e-6)(h)
+        a = keras.layers.MultiHeadAttention(heads, dim // heads, dropout=0.1)(a, a)
+        h = keras.layers.Add()([h, keras.layers.Dropout(0.1)(a)])
+        m = keras.layers.LayerNormalization(epsilon=1e-6)(h)
+        m = keras.layers.Dense(2 * dim, activation="gelu")(m)
+        m = keras.layers.Dropout(0.1)(m)
+        h = keras.layers.Add()([h, keras.layers.Dense(dim)(m)])
+    h = keras.layers.GlobalAveragePooling1D()(keras.layers.LayerNormalization(epsilon=1e-6)(h))
+    out = keras.layers.Dense(10)(h)
+    model = keras.Model(inp, out, name="vit")
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  optimizer=keras.optimizers.AdamW(1e-3), metrics=["accuracy"])
+    return model, tf.TensorSpec((batch, hw, hw, 3)), tf.TensorSpec((batch,), tf.int32)
+
+
+def twotower(batch=32, hw=32, features=24):
+    """Two inputs (an image and a feature vector, as a dict) and two outputs (a class and a
+    regression target, each with its own loss and weight): a residual conv tower with
+    BatchNorm and Dropout beside an MLP tower, concatenated."""
+    import keras
+    import tensorflow as tf
+
+    img = keras.Input((hw, hw, 3), name="image")
+    feats = keras.Input((features,), name="meta")
+    h = keras.layers.Conv2D(32, 3, padding="same", use_bias=False)(img)
+    for width, stride in ((32, 1), (64, 2), (64, 1), (96, 2)):
+        r = keras.layers.Conv2D(width, 3, strides=stride, padding="same", use_bias=False)(h)
+        r = keras.layers.Activation("relu")(keras.layers.BatchNormalization()(r))
+        r = keras.layers.Dropout(0.1)(r)
+        r = keras.layers.Conv2D(width, 3, padding="same", use_bias=False)(r)
+        r = keras.layers.BatchNormalization()(r)
+        s = h if stride == 1 and h.shape[-1] == width else \
+            keras.layers.Conv2D(width, 1, strides=stride, use_bias=False)(h)
+        h = keras.layers.Activation("relu")(keras.layers.Add()([r, s]))
+    h = keras.layers.GlobalAveragePooling2D()(h)
+    m = keras.layers.Dense(64, activation="relu")(feats)
+    m = keras.layers.Dropout(0.2)(keras.layers.BatchNormalization()(m))
+    z = keras.layers.Concatenate()([h, m])
+    z = keras.layers.Dense(128, activation="relu")(z)
+    model = keras.Model({"image": img, "meta": feats},
+                        {"cls": keras.layers.Dense(10, name="cls")(z),
+                         "aux": keras.layers.Dense(1, name="aux")(z)}, name="twotower")
+    model.compile(optimizer=keras.optimizers.Adam(1e-3),
+                  loss={"cls": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                        "aux": "mse"}, loss_weights={"cls": 1.0, "aux": 0.3})
+    return (model, {"image": tf.TensorSpec((batch, hw, hw, 3)),
+                    "meta": tf.TensorSpec((batch, features))},
+            {"cls": tf.TensorSpec((batch,), tf.int32), "aux": tf.TensorSpec((batch, 1))})
+
+
 def decoder_gn(batch=16, hw=64):
     """An encoder-decoder: strided convolutions with GroupNorm and SiLU down, 3x3 stride-2
     Conv2DTranspose with BatchNorm up, concatenated skips, Dropout at the bottleneck,
@@ -501,25 +566,48 @@ APPLICATIONS = {"mobilenetv2": _application("MobileNetV2", 64, 16, "sgd"),
                 "inceptionv3": _application("InceptionV3", 96, 24, "sgd")}
 
 MODELS = {"resdrop": resdrop, "unet_bn": unet_bn, "densenet": densenet,
-          "efficientnet": efficientnet, "mixer": mixer, "decoder_gn": decoder_gn,
+          "efficientnet": efficientnet, "mixer": mixer, "vit": vit,
+          "twotower": twotower, "decoder_gn": decoder_gn,
           "noisy": noisy, "bilstm": bilstm, "xception": xception, "tcn": tcn,
           "grouped": grouped, "regnet": regnet, "resmlp": resmlp,
           "subclassed": subclassed, "augment": augment, "mixed": mixed, **APPLICATIONS}
 
 
 # --------------------------------------------------------------------- one case
+def _batch(spec) -> int:
+    """The batch size of a spec or a nest of them (a multi-input model's)."""
+    import tensorflow as tf
+
+    return int(tf.nest.flatten(spec)[0].shape[0])
+
+
 def _data(xs, ys, model, n=None, seed=0):
+    """Synthetic inputs and labels for the specs (nests too): normal floats; integer labels
+    under the class count of the output they belong to (by output name), float labels
+    normal."""
     import numpy as np
+    import tensorflow as tf
 
     rng = np.random.default_rng(seed)
-    n = n or xs.shape[0]
-    x = rng.standard_normal((n,) + tuple(xs.shape[1:])).astype("float32")
+    n = n or _batch(xs)
+    x = tf.nest.map_structure(
+        lambda s: rng.standard_normal((n,) + tuple(s.shape[1:])).astype("float32"), xs)
     if hasattr(model, "outputs"):
-        classes = int(model.outputs[0].shape[-1])
+        widths = {k: int(o.shape[-1]) for k, o in zip(model.output_names, model.outputs)}
+        first = int(model.outputs[0].shape[-1])
     else:  # a subclassed model, perhaps not built yet: its last Dense layer's width
-        classes = [la.units for la in model._flatten_layers() if hasattr(la, "units")][-1]
-    y = rng.integers(0, classes, (n,) + tuple(ys.shape[1:])).astype("int32")
-    return x, y
+        widths = {}
+        first = [la.units for la in model._flatten_layers() if hasattr(la, "units")][-1]
+
+    def label(s, name=None):
+        shape = (n,) + tuple(s.shape[1:])
+        if not s.dtype.is_integer:
+            return rng.standard_normal(shape).astype(s.dtype.as_numpy_dtype)
+        return rng.integers(0, widths.get(name, first), shape).astype(s.dtype.as_numpy_dtype)
+
+    if isinstance(ys, dict):  # labels by output name
+        return x, {k: label(s, k) for k, s in ys.items()}
+    return x, tf.nest.map_structure(label, ys)
 
 
 def _fragmented(step, x, y, big, seed=0):
@@ -554,11 +642,11 @@ def run_case(name, fractions, time_limit, plans=None, weighted=False):
     model, xs, ys = MODELS[name]()
     ref = trace_training_step(model, xs, ys, conv_gradients="tensorflow")
     xa, ya = _data(xs, ys, model)
-    x, y = tf.constant(xa), tf.constant(ya)
+    x, y = tf.nest.map_structure(tf.constant, (xa, ya))
     # --weighted: the step solved with per-sample weights, checked against Keras's weighted
     # step (the plain peak, and so the budget, stays the unweighted step's)
-    wspec = tf.TensorSpec((int(xs.shape[0]),)) if weighted else None
-    w = tf.constant(np.linspace(0.2, 2.0, int(xs.shape[0])), tf.float32) if weighted else None
+    wspec = tf.TensorSpec((_batch(xs),)) if weighted else None
+    w = tf.constant(np.linspace(0.2, 2.0, _batch(xs)), tf.float32) if weighted else None
     gref = trace_training_step(model, xs, (ys, wspec) if weighted else ys, apply_updates=False,
                                conv_gradients="tensorflow", weighted=weighted)
     wref = trace_training_step(model, xs, (ys, wspec), conv_gradients="tensorflow",
@@ -567,7 +655,7 @@ def run_case(name, fractions, time_limit, plans=None, weighted=False):
     base_runs = [measure_step_peak(ref.function, x, y, variables=ref.variables)
                  for _ in range(3)]
     base = int(statistics.median(r["step_peak_bytes"] for r in base_runs))
-    out = {"model": name, "batch": int(xs.shape[0]), "params": int(model.count_params()),
+    out = {"model": name, "batch": _batch(xs), "params": int(model.count_params()),
            "baseline_peak": base, "baseline_peaks": [r["step_peak_bytes"] for r in base_runs],
            "rows": []}
     start = [np.array(v.numpy(), copy=True) for v in model.variables]
@@ -610,7 +698,7 @@ def run_case(name, fractions, time_limit, plans=None, weighted=False):
         scale = max(float(np.abs(g).max()) for g in g1)
         row["grad_err"] = max(float(np.abs(a - b).max()) for a, b in zip(g1, g2)) / scale
         if plans:  # to replay a row later: both plans and graphs (the step's, the gradients')
-            _save_plans(step, plans, f"{name}_{round(100 * frac)}", int(xs.shape[0]))
+            _save_plans(step, plans, f"{name}_{round(100 * frac)}", _batch(xs))
         wref.function(x, yw)
         s1 = [v.numpy() for v in model.non_trainable_variables if "moving" in v.path]
         restore()
@@ -621,11 +709,11 @@ def run_case(name, fractions, time_limit, plans=None, weighted=False):
         # moving mean near zero makes a per-variable relative error of rounding look large
         row["bn_err"] = (max(float(np.abs(a - b).max()) for a, b in zip(s1, s2)) /
                          max(float(np.abs(a).max()) for a in s1) if s1 else None)
-        xt, yt = _data(xs, ys, model, n=3 * xs.shape[0], seed=5)
-        classes = int(yt.max()) + 1
-        hist = model.fit(xt, yt, batch_size=xs.shape[0], epochs=2, verbose=0, shuffle=False,
+        xt, yt = _data(xs, ys, model, n=3 * _batch(xs), seed=5)
+        classes = int(np.max(tf.nest.flatten(yt)[0])) + 1
+        hist = model.fit(xt, yt, batch_size=_batch(xs), epochs=2, verbose=0, shuffle=False,
                          class_weight={c: 0.5 + c / classes for c in range(classes)}
-                         if weighted and yt.ndim == 1 else None)
+                         if weighted and np.ndim(yt) == 1 else None)
         row["fit_loss_finite"] = bool(np.all(np.isfinite(hist.history["loss"])))
         row["after_fit"] = step.measure(x, y, runs=2)["step_peak_bytes"]
         row["fragmented"] = _fragmented(step, x, y, big)
@@ -660,7 +748,7 @@ def first_call_case(name, frac, time_limit):
     xa, ya = _data(xs, ys, model)
     model.train_on_batch(xa, ya)
     ref = trace_training_step(model, xs, ys, conv_gradients="tensorflow")
-    x, y = tf.constant(xa), tf.constant(ya)
+    x, y = tf.nest.map_structure(tf.constant, (xa, ya))
     base = int(statistics.median(
         measure_step_peak(ref.function, x, y, variables=ref.variables)["step_peak_bytes"]
         for _ in range(3)))
