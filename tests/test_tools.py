@@ -189,8 +189,8 @@ def test_plain_probe_trains_as_keras_with_a_loss_per_output_and_penalties():
         return (model, tf.TensorSpec((batch, 8, 8, 3)),
                 {"cls": tf.TensorSpec((batch,), tf.int32), "reg": tf.TensorSpec((batch, 1))})
 
-    peak, _, edge = _probe(build, 4, 1 << 30, remat=False, strategy=None, time_limit=None,
-                           verbose=0, cost_model="flops")
+    peak, _, edge, _ = _probe(build, 4, 1 << 30, remat=False, strategy=None, time_limit=None,
+                              verbose=0, cost_model="flops")
     assert peak > 0 and not edge
     model, _, _ = build(4)
     x = np.ones((4, 8, 8, 3), "float32")
@@ -282,6 +282,28 @@ def test_max_batch_probes_in_fresh_processes_and_survives_out_of_memory(tmp_path
     assert (4, False, False) in tried and (3, False, False) in tried, tried
     assert all(p["peak_bytes"] is None for p in r.probes if p["batch"] > 2)
     assert "plain batch 4: out of memory" in capsys.readouterr().err
+
+
+def test_a_size_with_no_plan_says_the_least_any_plan_reached(capsys):
+    """A remat probe with no plan records and prints the least peak reached, so a user sees
+    whether the size missed by 2% (worth a longer time limit) or by far."""
+    import keras
+
+    from tf_remat.batch import max_batch_size
+
+    def build(batch):
+        inp = keras.Input((8,))
+        model = keras.Model(inp, keras.layers.Dense(3)(keras.layers.Dense(16, "relu")(inp)))
+        model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+        return model, tf.TensorSpec((batch, 8)), tf.TensorSpec((batch,), tf.int32)
+
+    budget = 512  # under the weights alone: nothing fits, plain or rewritten
+    r = max_batch_size(build, budget_bytes=budget, start=1, max_batch=1,
+                       strategy="checkpoint-all", time_limit=5, verbose=1)
+    assert (r.plain_batch, r.remat_batch) == (0, 0), r.probes
+    remat = [p for p in r.probes if p["remat"]]
+    assert remat and all(p["peak_bytes"] is None and p["reach_bytes"] > budget for p in remat)
+    assert "remat batch 1: no plan (the least reached " in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("largest,start,limit", [(34, 12, 48), (48, 12, 48), (47, 48, 48),

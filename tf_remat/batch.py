@@ -68,8 +68,10 @@ def _plain_step(model, optimizer):
 
 def _probe(build, batch, budget, *, remat, strategy, time_limit, verbose, cost_model,
            save_plan=None):
-    """Measured step peak at this batch (plain or rewritten), or None when no plan fits; and
-    whether the rewritten step sits at the budget's edge (see below).
+    """Measured step peak at this batch (plain or rewritten), or None when no plan fits;
+    whether the rewritten step sits at the budget's edge (see below); and, when no plan fits,
+    the least any plan reached (``InfeasibleBudgetError.min_feasible``: measured when a plan
+    measured over, else the solver's best), or None.
 
     The figure is :func:`tf_remat.api.measure_step_peak`'s ``step_peak_bytes``: the step's own
     peak (its variables, optimizer slots, batch and temporaries), so memory the process still
@@ -92,12 +94,12 @@ def _probe(build, batch, budget, *, remat, strategy, time_limit, verbose, cost_m
             step = optimize(model, budget_bytes=budget, input_spec=input_spec,
                             label_spec=label_spec, strategy=strategy, time_limit=time_limit,
                             verbose=0, cost_model=cost_model, attach=False, _probe=True)
-        except InfeasibleBudgetError:
-            return None, time.perf_counter() - t0, False
+        except InfeasibleBudgetError as exc:
+            return None, time.perf_counter() - t0, False, exc.min_feasible
         except RematError as exc:
             if verbose:
                 print(f"  batch {batch}: {exc}")
-            return None, time.perf_counter() - t0, False
+            return None, time.perf_counter() - t0, False, None
         peak = step.measure(x, y)["step_peak_bytes"]
         if save_plan:
             step.plan.save(save_plan)
@@ -113,7 +115,7 @@ def _probe(build, batch, budget, *, remat, strategy, time_limit, verbose, cost_m
         variables = [getattr(v, "value", v) for v in list(model.variables) + list(opt.variables)]
         peak = measure_step_peak(step, x, y, variables=variables)["step_peak_bytes"]
         edge = False
-    return peak, time.perf_counter() - t0, edge
+    return peak, time.perf_counter() - t0, edge, None
 
 
 #: the child that runs one probe in a fresh process (see ``_probe_isolated``)
@@ -124,11 +126,10 @@ from tf_remat.training import load_builder
 a = json.loads(sys.argv[1])
 build = load_builder(a["model"], a["module"], input_size=a["input_size"],
                      num_classes=a["num_classes"])
-peak, secs, edge = _probe(build, a["batch"], a["budget"], remat=a["remat"],
-                          strategy=a["strategy"], time_limit=a["time_limit"],
-                          verbose=a["verbose"], cost_model=a["cost_model"],
-                          save_plan=a.get("save_plan"))
-print("tf-remat-probe " + json.dumps([peak, secs, edge]), flush=True)
+result = _probe(build, a["batch"], a["budget"], remat=a["remat"], strategy=a["strategy"],
+                time_limit=a["time_limit"], verbose=a["verbose"],
+                cost_model=a["cost_model"], save_plan=a.get("save_plan"))
+print("tf-remat-probe " + json.dumps(list(result)), flush=True)
 """
 
 
@@ -163,12 +164,11 @@ def _probe_isolated(spec: dict, batch, budget, **kw):
                 for ln in lines:
                     if not ln.startswith("tf-remat-probe "):
                         print(ln)
-            peak, secs, edge = json.loads(line[len("tf-remat-probe "):])
-            return peak, secs, edge
+            return tuple(json.loads(line[len("tf-remat-probe "):]))
     # out of memory in its own process (TensorFlow's error, or killed by the system): the size
     # does not fit, and the search goes on, where in a shared process it would have ended
     if proc.returncode < 0 or any(e in proc.stderr for e in _OOM_ERRORS):
-        return None, time.perf_counter() - t0, False
+        return None, time.perf_counter() - t0, False, None
     tail = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
     raise RematError(f"the probe at batch {batch} ({'remat' if kw.get('remat') else 'plain'}) "
                      f"failed in its process: {tail}")
@@ -245,19 +245,23 @@ def max_batch_size(build, budget_gb: float | None = None, *, budget_bytes: int |
         if plans_dir and remat:
             kw["save_plan"] = os.path.join(plans_dir, f"probe{len(probes)}.json")
         if isolate:
-            peak, secs, edge = _probe_isolated(spec, batch, budget, **kw)
+            peak, secs, edge, reach = _probe_isolated(spec, batch, budget, **kw)
         else:
-            peak, secs, edge = _probe(build, batch, budget, **kw)
+            peak, secs, edge, reach = _probe(build, batch, budget, **kw)
         ok = peak is not None and peak <= budget and not edge
         probes.append({"batch": batch, "remat": remat, "peak_bytes": peak, "fits": ok,
-                       "at_edge": edge, "confirm": check, "seconds": round(secs, 2)})
+                       "at_edge": edge, "confirm": check, "seconds": round(secs, 2),
+                       "reach_bytes": reach})
         if ok and kw.get("save_plan"):
             fitted[batch] = kw["save_plan"]
         status = "fits" if ok else "at the budget's edge" if edge else "over"
         progress.update(f"{'remat' if remat else 'plain'} batch {batch}"
                         f"{' (confirm)' if check else ''}: "
                         + (f"peak {format_bytes(peak)} {status}" if peak is not None
-                           else "no plan" if remat else "out of memory"))
+                           # how far off the size was: a few percent over the budget, or
+                           # far over it
+                           else f"no plan (the least reached {format_bytes(reach)})"
+                           if remat and reach else "no plan" if remat else "out of memory"))
         return ok
 
     plain = _search(lambda b: fits(b, False), start, max_batch)
