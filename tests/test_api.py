@@ -562,11 +562,24 @@ def test_xla_compiled_model_is_warned_that_the_step_runs_without_xla():
                           verify=False, **FAST)
 
 
+def _recomputing_step(model, xs, ys):
+    """``optimize`` (unverified) at a budget halfway from the graph's lower bound to its
+    no-rematerialization peak, where some values must be recomputed."""
+    from tf_remat.extract import extract
+
+    g = extract(model, input_spec=xs, label_spec=ys, cost_model="flops", verbose=0).graph
+    budget = (g.budget_lower_bound + g.no_remat_peak) // 2
+    step = tf_remat.optimize(model, budget_bytes=budget, input_spec=xs, label_spec=ys,
+                             verify=False, **FAST)
+    assert step.report["recomputed_nodes"] > 0
+    return step
+
+
 def test_mixed_precision_dict_model_recomputes_exactly():
     """A mixed_float16 model (Keras wraps its optimizer in a LossScaleOptimizer) with dict
     inputs and two losses: a recomputing step's gradients and update match Keras's step to
     float16 rounding, the optimizer counts one step, and model.fit runs on it."""
-    from tf_remat.extract import extract, trace_training_step
+    from tf_remat.extract import trace_training_step
 
     old = keras.mixed_precision.global_policy()
     keras.mixed_precision.set_global_policy("mixed_float16")
@@ -590,11 +603,7 @@ def test_mixed_precision_dict_model_recomputes_exactly():
         assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
         xs = {"img": tf.TensorSpec((32, 16, 16, 3)), "vec": tf.TensorSpec((32, 8))}
         ys = {"cls": tf.TensorSpec((32,), tf.int32), "reg": tf.TensorSpec((32, 1))}
-        g = extract(model, input_spec=xs, label_spec=ys, cost_model="flops", verbose=0).graph
-        budget = (g.budget_lower_bound + g.no_remat_peak) // 2
-        step = tf_remat.optimize(model, budget_bytes=budget, input_spec=xs, label_spec=ys,
-                                 verify=False, **FAST)
-        assert step.report["recomputed_nodes"] > 0
+        step = _recomputing_step(model, xs, ys)
         rng = np.random.default_rng(0)
         x = {"img": tf.constant(rng.standard_normal((32, 16, 16, 3)), tf.float32),
              "vec": tf.constant(rng.standard_normal((32, 8)), tf.float32)}
@@ -1234,3 +1243,30 @@ def test_a_model_that_reads_raw_strings_is_optimized_and_trains():
         a = tf.convert_to_tensor(a).numpy()
         assert close(a, b.numpy(), scale), np.abs(a - b.numpy()).max()
     assert np.isfinite(float(step(x, y)))
+
+
+def test_a_list_of_inputs_trains_in_fit_with_a_shared_encoder():
+    """Keras's ``fit`` hands a list of inputs to the step as a tuple: the step takes it (its
+    nesting is the spec's); the shared encoder's gradients, summed over both branches, are
+    the plain step's."""
+    from test_extract import _siamese
+
+    from tf_remat.extract import trace_training_step
+
+    keras.utils.set_random_seed(3)
+    model, xs, ys = _siamese(batch=8)
+    step = _recomputing_step(model, xs, ys)
+    rng = np.random.default_rng(0)
+    x = [tf.constant(rng.standard_normal((8, 16, 16, 3)), tf.float32) for _ in range(2)]
+    y = tf.constant(rng.integers(0, 2, 8), tf.int32)
+    gref = trace_training_step(model, xs, ys, apply_updates=False)
+    g1 = [t.numpy() for t in gref.function(x, y)[1:]]
+    g2 = [t.numpy() for t in step.gradients(tuple(x), y)]
+    scale = max(float(np.abs(a).max()) for a in g1)
+    assert max(float(np.abs(a - b).max()) for a, b in zip(g1, g2)) <= 1e-5 * scale
+    xt = [rng.standard_normal((24, 16, 16, 3)).astype("float32") for _ in range(2)]
+    yt = rng.integers(0, 2, 24).astype("int32")
+    hist = model.fit(xt, yt, batch_size=8, epochs=2, verbose=0)
+    assert model.train_function == step._keras_train_function
+    assert all(np.isfinite(hist.history["loss"]))
+    step.detach()

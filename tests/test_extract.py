@@ -731,3 +731,42 @@ def test_fold_evaluates_shape_arithmetic_without_retracing_warnings(caplog):
         got = [_fold(t) for t in ts]
     assert [list(v) for v in got] == [[24 + k, 1] for k in range(8)]
     assert not [r for r in caplog.records if "retracing" in r.getMessage()]
+
+
+def _siamese(batch=16, hw=16):
+    """One conv encoder applied to two images: each shared weight's gradient sums two
+    branches."""
+    inp = keras.Input((hw, hw, 3))
+    h = keras.layers.Conv2D(16, 3, padding="same", activation="relu")(inp)
+    r = keras.layers.Conv2D(32, 3, strides=2, padding="same")(h)
+    s = keras.layers.Conv2D(32, 1, strides=2)(h)
+    h = keras.layers.GlobalAveragePooling2D()(keras.layers.Add()([r, s]))
+    encoder = keras.Model(inp, h)
+    a, b = keras.Input((hw, hw, 3)), keras.Input((hw, hw, 3))
+    d = keras.layers.Concatenate()([encoder(a), encoder(b)])
+    model = keras.Model([a, b], keras.layers.Dense(2)(d))
+    model.compile(optimizer="sgd",
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    spec = tf.TensorSpec((batch, hw, hw, 3))
+    return model, [spec, spec], tf.TensorSpec((batch,), tf.int32)
+
+
+def test_a_shared_layers_two_branches_stay_in_separate_nodes(monkeypatch):
+    """A shared layer's weight gradient is the sum of one per branch. Were both filter
+    gradients merged into the sum's node (each is small), that node would need both branches'
+    activations and gradients at once, and no schedule could finish one branch and free its
+    values before the other: on a siamese encoder at batch 32 every solver's floor was 18.90
+    MiB, where a plan of 15.74 MiB exists once they are apart."""
+    from tf_remat import solve
+    from tf_remat.extract import extract
+
+    monkeypatch.setenv("TF_REMAT_CONV_GRADIENTS", "tensorflow")
+    keras.utils.set_random_seed(0)
+    model, xs, ys = _siamese()
+    ex = extract(model, input_spec=xs, label_spec=ys, cost_model="flops", verbose=0)
+    g = ex.graph
+    # with the two filter gradients in the sum's node the best plan of the exact solver was
+    # 38% of the way from the lower bound to the no-rematerialization peak; apart, 0.4%
+    budget = g.budget_lower_bound + (g.no_remat_peak - g.budget_lower_bound) // 10
+    plan = solve(g, budget=budget, strategy="checkmate-milp", time_limit=30)
+    assert plan.peak_memory <= budget, (plan.peak_memory, budget, g.budget_lower_bound)

@@ -824,9 +824,16 @@ class OptimizedStep:
             t = tf.convert_to_tensor(t)
             return t if t.dtype == spec.dtype else tf.cast(t, spec.dtype)
 
+        def conform(v, spec):
+            # a list of inputs reaches the step from model.fit as a tuple (Keras's data
+            # adapters make tuples): the nesting must match, the sequence type need not
+            tf.nest.assert_same_structure(v, spec, check_types=False)
+            return tf.nest.pack_sequence_as(spec, [cast(t, s) for t, s in zip(
+                tf.nest.flatten(v), tf.nest.flatten(spec))])
+
         try:
-            x = tf.nest.map_structure(cast, x, self.input_spec)
-            y = tf.nest.map_structure(cast, y, self.label_spec)
+            x = conform(x, self.input_spec)
+            y = conform(y, self.label_spec)
         except (ValueError, TypeError) as exc:
             raise ValueError(f"inputs do not match input_spec / label_spec: {exc}") from exc
         return x, y

@@ -244,6 +244,35 @@ def twotower(batch=32, hw=32, features=24):
             {"cls": tf.TensorSpec((batch,), tf.int32), "aux": tf.TensorSpec((batch, 1))})
 
 
+def siamese(batch=32, hw=32):
+    """One conv encoder (BatchNorm, Dropout, a residual add) applied to two images, a list of
+    two inputs: shared weights get the sum of both branches' gradients, and each BatchNorm
+    updates its moving statistics twice in one step, in an order the rewrite must keep."""
+    import keras
+    import tensorflow as tf
+
+    inp = keras.Input((hw, hw, 3))
+    h = keras.layers.Conv2D(32, 3, padding="same", activation="relu")(inp)
+    for width in (32, 64):
+        r = keras.layers.Conv2D(width, 3, strides=2, padding="same", use_bias=False)(h)
+        r = keras.layers.Activation("relu")(keras.layers.BatchNormalization()(r))
+        r = keras.layers.Dropout(0.1)(r)
+        r = keras.layers.Conv2D(width, 3, padding="same", use_bias=False)(r)
+        s = keras.layers.Conv2D(width, 1, strides=2, use_bias=False)(h)
+        h = keras.layers.Activation("relu")(keras.layers.BatchNormalization()(
+            keras.layers.Add()([r, s])))
+    encoder = keras.Model(inp, keras.layers.GlobalAveragePooling2D()(h), name="encoder")
+    a, b = keras.Input((hw, hw, 3)), keras.Input((hw, hw, 3))
+    ea, eb = encoder(a), encoder(b)
+    d = keras.layers.Concatenate()([keras.ops.abs(ea - eb), ea * eb])
+    d = keras.layers.Dropout(0.2)(keras.layers.Dense(64, activation="relu")(d))
+    model = keras.Model([a, b], keras.layers.Dense(2)(d), name="siamese")
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  optimizer=keras.optimizers.Adam(1e-3), metrics=["accuracy"])
+    spec = tf.TensorSpec((batch, hw, hw, 3))
+    return model, [spec, spec], tf.TensorSpec((batch,), tf.int32)
+
+
 def decoder_gn(batch=16, hw=64):
     """An encoder-decoder: strided convolutions with GroupNorm and SiLU down, 3x3 stride-2
     Conv2DTranspose with BatchNorm up, concatenated skips, Dropout at the bottleneck,
@@ -567,7 +596,7 @@ APPLICATIONS = {"mobilenetv2": _application("MobileNetV2", 64, 16, "sgd"),
 
 MODELS = {"resdrop": resdrop, "unet_bn": unet_bn, "densenet": densenet,
           "efficientnet": efficientnet, "mixer": mixer, "vit": vit,
-          "twotower": twotower, "decoder_gn": decoder_gn,
+          "twotower": twotower, "siamese": siamese, "decoder_gn": decoder_gn,
           "noisy": noisy, "bilstm": bilstm, "xception": xception, "tcn": tcn,
           "grouped": grouped, "regnet": regnet, "resmlp": resmlp,
           "subclassed": subclassed, "augment": augment, "mixed": mixed, **APPLICATIONS}
