@@ -286,7 +286,7 @@ def test_max_batch_probes_in_fresh_processes_and_survives_out_of_memory(tmp_path
 
 def test_a_size_with_no_plan_says_the_least_any_plan_reached(capsys):
     """A remat probe with no plan records and prints the least peak reached, so a user sees
-    whether the size missed by 2% (worth a longer time limit) or by far."""
+    whether the size missed by a few percent or by far."""
     import keras
 
     from tf_remat.batch import max_batch_size

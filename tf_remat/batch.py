@@ -254,14 +254,16 @@ def max_batch_size(build, budget_gb: float | None = None, *, budget_bytes: int |
                        "reach_bytes": reach})
         if ok and kw.get("save_plan"):
             fitted[batch] = kw["save_plan"]
-        status = "fits" if ok else "at the budget's edge" if edge else "over"
+        if peak is not None:
+            outcome = (f"peak {format_bytes(peak)} "
+                       + ("fits" if ok else "at the budget's edge" if edge else "over"))
+        elif not remat:
+            outcome = "out of memory"
+        else:  # how far off the size was: a few percent over the budget, or far over it
+            outcome = "no plan" + (f" (the least reached {format_bytes(reach)})" if reach
+                                   else "")
         progress.update(f"{'remat' if remat else 'plain'} batch {batch}"
-                        f"{' (confirm)' if check else ''}: "
-                        + (f"peak {format_bytes(peak)} {status}" if peak is not None
-                           # how far off the size was: a few percent over the budget, or
-                           # far over it
-                           else f"no plan (the least reached {format_bytes(reach)})"
-                           if remat and reach else "no plan" if remat else "out of memory"))
+                        f"{' (confirm)' if check else ''}: {outcome}")
         return ok
 
     plain = _search(lambda b: fits(b, False), start, max_batch)
