@@ -257,13 +257,17 @@ def test_missing_loss_is_a_clear_error():
 
 
 # --------------------------------------------------------------------- memory vs TensorFlow
-def measured_peak_layouts(ex, fractions=(0.0, 0.3, 0.6, 1.0, 1.4), step=None):
+def measured_peak_layouts(ex, fractions=(0.0, 0.15, 0.3, 0.45, 0.6, 0.8, 1.0, 1.4, 2.0, 3.0),
+                          step=None):
     """The step's measured peak beside a held ballast of each fraction of its largest value.
 
     TensorFlow's BFC allocator hands out a free chunk less than twice a request whole and counts
     all of it, so one step measures up to ~25% more after some allocation histories than after
     others, while runs in one history are identical. Each ballast is another history; the lowest
-    peak is the one without that rounding, the figure the simulator models.
+    peak is the one without that rounding, the figure the simulator models. Ten layouts: late in
+    a full-suite process, whose pool earlier tests' models have cut up, all five of an earlier
+    set measured small_cnn's step 8.4 MiB (19%) over its prediction, which it measures within
+    1-4% of alone.
     """
     from tf_remat.api import measure_step_peak
     from tf_remat.extract import _random_like
