@@ -797,6 +797,47 @@ def test_a_loss_per_output_given_to_optimize_is_refused_with_the_way_to_pass_it(
     assert keras_loss(keras.losses.serialize(keras.losses.Huber())).name == "huber_loss"
 
 
+def test_bad_specs_and_time_limit_are_refused_before_tracing(monkeypatch):
+    """Each names what to change, and nothing is traced first: a spec with an unknown batch
+    dimension (a TypeError from inside before), a shape where a spec belongs (an
+    AttributeError), labels of another batch size (traced and solved: the loss broadcast
+    them), and a time limit under zero (a traceback from the solver's process, after the
+    trace)."""
+    import tf_remat.extract as ex
+    from tf_remat.errors import UnsupportedOpError
+
+    def no_trace(*a, **k):
+        raise AssertionError("traced before the arguments were checked")
+
+    monkeypatch.setattr(ex, "trace_training_step", no_trace)
+    model = fresh(mlp)[0]
+    ok_x, ok_y = tf.TensorSpec((8, 32)), tf.TensorSpec((8,), tf.int32)
+    cases = [
+        (dict(input_spec=tf.TensorSpec((None, 32)), label_spec=ok_y),
+         r"input_spec has shape \(None, 32\) with an unknown dimension 0"),
+        (dict(input_spec=(8, 32), label_spec=ok_y),
+         r"got int 8; a shape is given as tf.TensorSpec\(\(8, 32\)\)"),
+        (dict(input_spec=ok_x, label_spec=tf.TensorSpec((4,), tf.int32)),
+         r"disagree on the batch size .*input_spec has shape \(8, 32\); label_spec has "
+         r"shape \(4,\)"),
+        (dict(input_spec={"a": ok_x, "b": tf.TensorSpec((8, 3))},
+              label_spec=[ok_y, tf.TensorSpec((6, 1))]),
+         r"label_spec \(leaf 1\) has shape \(6, 1\)"),
+        (dict(input_spec=ok_x, label_spec=[]), "label_spec is empty"),
+    ]
+    for kw, message in cases:
+        with pytest.raises(UnsupportedOpError, match=message):
+            tf_remat.optimize(model, budget_gb=1.0, verbose=0, **kw)
+    for bad in (-3, 0):
+        with pytest.raises(ValueError, match="time_limit must be a positive"):
+            tf_remat.optimize(model, budget_gb=1.0, input_spec=ok_x, label_spec=ok_y,
+                              time_limit=bad, verbose=0)
+    from tf_remat.batch import max_batch_size
+
+    with pytest.raises(ValueError, match="time_limit must be a positive"):
+        max_batch_size(lambda b: None, budget_gb=1.0, time_limit=-1)
+
+
 def test_a_weighted_step_with_a_given_loss_keeps_the_penalties():
     """``loss=`` given to the trace and weights: the loss is the weighted batch mean plus
     ``model.losses``, as Keras's step computes it (regularized kernels)."""

@@ -159,9 +159,11 @@ def optimize(model, budget_gb: float | None = None, *, budget_bytes: int | None 
     Raises:
         InfeasibleBudgetError: no plan fits the budget; the message (and ``min_feasible``)
             gives the smallest budget found reachable. The model is left as it was.
-        UnsupportedOpError: the step cannot be traced with static shapes (the message names the
-            tensor), there is no loss / optimizer, or the model was built under a
-            ``tf.distribute`` strategy (the rewritten step is a one-device step).
+        UnsupportedOpError: a spec is not a ``tf.TensorSpec`` with every dimension known, the
+            specs disagree on the batch size, the step cannot be traced with static shapes
+            (the message names the tensor), there is no loss / optimizer, or the model was
+            built under a ``tf.distribute`` strategy (the rewritten step is a one-device step).
+        ValueError: a budget, ``time_limit`` or ``chain`` that is not valid.
 
     Example:
         >>> step = tf_remat.optimize(model, budget_gb=16,
@@ -170,10 +172,16 @@ def optimize(model, budget_gb: float | None = None, *, budget_bytes: int | None 
         >>> loss = step(x, y)                                                    # doctest: +SKIP
         >>> model.fit(dataset.batch(32), epochs=3)   # trains with the step    # doctest: +SKIP
     """
+    from tf_remat.extract import check_specs
     from tf_remat.rewrite import CHAINS
 
-    if chain not in CHAINS:  # before minutes of tracing and profiling, not after
+    # each argument checked before minutes of tracing and profiling, not after
+    if chain not in CHAINS:
         raise ValueError(f"chain must be one of {CHAINS}, got {chain!r}")
+    check_specs(input_spec, label_spec)
+    if time_limit is not None and not time_limit > 0:
+        raise ValueError(f"time_limit must be a positive number of seconds or None (no "
+                         f"limit), got {time_limit!r}")
     budget = _budget_bytes(budget_gb, budget_bytes)
     strategy = _resolve_strategy(strategy, verbose)
     given = _given_plan(plan)  # a missing or malformed file fails before any tracing

@@ -370,8 +370,7 @@ def trace_training_step(model, input_spec, label_spec, *, loss=None, optimizer=N
     import tensorflow as tf
     import keras
 
-    _check_spec(input_spec, "input_spec")
-    _check_spec(label_spec, "label_spec")
+    check_specs(input_spec, label_spec)
     _check_no_distribution(model)
     _build_model(model, input_spec)
     loss_fn, compiled_loss = _resolve_loss(model, loss)
@@ -870,19 +869,57 @@ def _build_model(model, input_spec):
             f"call it on one batch (model(x)) before optimize") from exc
 
 
+def _leaf_name(what, i, n):
+    return what if n == 1 else f"{what} (leaf {i})"
+
+
 def _check_spec(spec, what):
     import tensorflow as tf
 
-    for i, s in enumerate(tf.nest.flatten(spec)):
+    leaves = tf.nest.flatten(spec)
+    if not leaves:
+        raise UnsupportedOpError(f"{what} is empty: give a tf.TensorSpec (or a list, tuple or "
+                                 f"dict of them) with every dimension known")
+    for i, s in enumerate(leaves):
         if not isinstance(s, tf.TensorSpec):
-            raise UnsupportedOpError(f"{what} must be tf.TensorSpec(s), got {type(s).__name__}")
+            # a shape tuple given where a spec belongs flattens to its integers
+            hint = ""
+            if isinstance(spec, (tuple, list)) and all(isinstance(v, int) for v in leaves):
+                hint = f"; a shape is given as tf.TensorSpec({tuple(spec)})"
+            raise UnsupportedOpError(
+                f"{_leaf_name(what, i, len(leaves))} must be a tf.TensorSpec (or a list, tuple "
+                f"or dict of them), such as tf.TensorSpec((32, 224, 224, 3)); got "
+                f"{type(s).__name__} {s!r}{hint}")
         if not s.shape.is_fully_defined():
             dims = [d for d, v in enumerate(s.shape.as_list() if s.shape.rank is not None
                                             else [None]) if v is None]
             raise UnsupportedOpError(
-                f"{what}{'' if i == 0 else f'[{i}]'} has shape {s.shape} with an unknown "
+                f"{_leaf_name(what, i, len(leaves))} has shape {s.shape} with an unknown "
                 f"dimension {dims[0]}; tf-remat needs static shapes: give every dimension, the "
                 f"batch size included (e.g. tf.TensorSpec((32, ...)))")
+
+
+def check_specs(input_spec, label_spec):
+    """Refuse specs a step cannot be traced from, before any tracing: each leaf a
+    ``tf.TensorSpec`` with every dimension known, and one batch size (the first dimension)
+    across the inputs and the labels; an :class:`UnsupportedOpError` naming the spec
+    otherwise. (Labels of another batch size can trace without an error where a loss
+    broadcasts them, and the step would train on a wrong loss.)"""
+    import tensorflow as tf
+
+    _check_spec(input_spec, "input_spec")
+    _check_spec(label_spec, "label_spec")
+    sizes = {}
+    for what, spec in (("input_spec", input_spec), ("label_spec", label_spec)):
+        leaves = tf.nest.flatten(spec)
+        for i, s in enumerate(leaves):
+            if s.shape.rank:
+                sizes.setdefault(int(s.shape[0]),
+                                 f"{_leaf_name(what, i, len(leaves))} has shape {s.shape}")
+    if len(sizes) > 1:
+        raise UnsupportedOpError(f"the specs disagree on the batch size (the first "
+                                 f"dimension): {'; '.join(sizes.values())}; give every input "
+                                 f"and label the same batch size")
 
 
 def _with_batch(spec, batch):
