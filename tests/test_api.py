@@ -838,6 +838,25 @@ def test_bad_specs_and_time_limit_are_refused_before_tracing(monkeypatch):
         max_batch_size(lambda b: None, budget_gb=1.0, time_limit=-1)
 
 
+def test_a_call_with_another_shape_than_the_specs_names_it():
+    """The rewritten step is static: x or y of another shape than the spec's (beyond the
+    batch size) ran into a kernel that assumed it (a reshape's InvalidArgumentError, or a
+    loss broadcast over labels of another batch size); each is now a ValueError naming it."""
+    model, xs, ys = fresh(lambda: mlp(batch=8, d=16, width=32, depth=1))
+    step = tf_remat.optimize(model, budget_gb=1.0, input_spec=xs, label_spec=ys,
+                             attach=False, time_order=False, **FAST)
+    x, y = (np.asarray(a) for a in data(xs, ys))
+    with pytest.raises(ValueError, match=r"x has shape \(8, 12\) where the step was built "
+                                         r"for \(8, 16\)"):
+        step(x[:, :12], y)
+    with pytest.raises(ValueError, match=r"y has shape \(8, 1\)"):
+        step(x, y[:, None])
+    with pytest.raises(ValueError, match="x has batch size 8; y has batch size 5"):
+        step.gradients(x, y[:5])
+    # another batch size of both, and other dtypes, are what a step takes
+    assert np.isfinite(float(step(x[:4].astype("float64"), y[:4].astype("int64"))))
+
+
 def test_a_weighted_step_with_a_given_loss_keeps_the_penalties():
     """``loss=`` given to the trace and weights: the loss is the weighted batch mean plus
     ``model.losses``, as Keras's step computes it (regularized kernels)."""

@@ -828,22 +828,42 @@ class OptimizedStep:
     def _cast(self, x, y):
         import tensorflow as tf
 
-        def cast(t, spec):
+        sizes = {}
+
+        def cast(t, spec, where):
             t = tf.convert_to_tensor(t)
+            got, want = t.shape.as_list(), spec.shape.as_list()
+            # the rewritten step is static: another shape would run into a kernel that
+            # assumed the spec's (a reshape's "Input to reshape is a tensor with 960 values")
+            if len(got) != len(want) or got[1:] != want[1:]:
+                raise ValueError(
+                    f"{where} has shape {tuple(got)} where the step was built for "
+                    f"{tuple(want)}: the rewritten step is static, and only the batch size "
+                    f"(the first dimension; each one gets its own plan) may differ. Pad or "
+                    f"resize to that shape, or optimize(..., input_spec=..., label_spec=...) "
+                    f"with this one")
+            if got:
+                sizes.setdefault(got[0], f"{where} has batch size {got[0]}")
             return t if t.dtype == spec.dtype else tf.cast(t, spec.dtype)
 
-        def conform(v, spec):
+        def conform(v, spec, what):
             # a list of inputs reaches the step from model.fit as a tuple (Keras's data
             # adapters make tuples): the nesting must match, the sequence type need not
-            tf.nest.assert_same_structure(v, spec, check_types=False)
-            return tf.nest.pack_sequence_as(spec, [cast(t, s) for t, s in zip(
-                tf.nest.flatten(v), tf.nest.flatten(spec))])
+            try:
+                tf.nest.assert_same_structure(v, spec, check_types=False)
+            except (ValueError, TypeError) as exc:
+                raise ValueError(f"inputs do not match input_spec / label_spec: {exc}") \
+                    from exc
+            leaves, specs = tf.nest.flatten(v), tf.nest.flatten(spec)
+            return tf.nest.pack_sequence_as(spec, [
+                cast(t, s, what if len(specs) == 1 else f"{what} (leaf {i})")
+                for i, (t, s) in enumerate(zip(leaves, specs))])
 
-        try:
-            x = conform(x, self.input_spec)
-            y = conform(y, self.label_spec)
-        except (ValueError, TypeError) as exc:
-            raise ValueError(f"inputs do not match input_spec / label_spec: {exc}") from exc
+        x = conform(x, self.input_spec, "x")
+        y = conform(y, self.label_spec, "y")
+        if len(sizes) > 1:
+            raise ValueError(f"inputs and labels disagree on the batch size: "
+                             f"{'; '.join(sizes.values())}")
         return x, y
 
     def _warn_once(self, key, message):
