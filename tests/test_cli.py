@@ -116,6 +116,8 @@ def test_budget_units():
     assert parse_budget("12884901888") == 12884901888
     assert parse_budget("12GB") == 12 * 10**9
     assert parse_budget("11.3GiB") == int(11.3 * 2**30)
+    with pytest.raises(ValueError, match="negative"):
+        parse_budget("-5GiB")
     assert parse_budget("0.8", 146840) == 117472
     with pytest.raises(ValueError, match="fraction"):
         parse_budget("0.8")

@@ -246,6 +246,23 @@ def test_data_dependent_shape_names_the_tensor():
                 loss="mse", optimizer="sgd", cost_model="flops", verbose=0)
 
 
+def test_a_py_function_whose_gradient_has_no_shape_says_what_to_do():
+    from tf_remat.extract import extract
+
+    def doubled(t):
+        y = tf.py_function(lambda a: 2 * a, [t], tf.float32)
+        y.set_shape(t.shape)  # the forward output's shape; its gradient's stays unknown
+        return y
+
+    inp = keras.Input((8,))
+    h = keras.layers.Lambda(doubled, output_shape=lambda s: s)(keras.layers.Dense(8)(inp))
+    model = keras.Model(inp, keras.layers.Dense(1)(h))
+    with pytest.raises(UnsupportedOpError, match=r"EagerPyFunc.*write the layer with "
+                                                 r"TensorFlow ops"):
+        extract(model, input_spec=tf.TensorSpec((4, 8)), label_spec=tf.TensorSpec((4, 1)),
+                loss="mse", optimizer="sgd", cost_model="flops", verbose=0)
+
+
 def test_missing_loss_is_a_clear_error():
     from tf_remat.extract import extract
 

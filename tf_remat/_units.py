@@ -27,6 +27,8 @@ def parse_budget(text, no_remat_peak=None):
     if isinstance(text, (int, float)):
         text = repr(text)
     match = _BUDGET_RE.match(str(text))
+    if not match and _BUDGET_RE.match(str(text).strip().lstrip("-")):
+        raise ValueError(f"budget {text!r} is negative: a budget is a positive size")
     if not match:
         raise ValueError(
             f"budget {text!r} is not a number: give bytes (12884901888), a size with a unit "

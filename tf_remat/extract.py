@@ -1685,11 +1685,16 @@ class _Analysis:
             if node[j]:
                 for t in ops[j].outputs:
                     if not t.shape.is_fully_defined():
+                        # a py_function's gradient is another py_function, whose outputs
+                        # carry no shape whatever set_shape gave the forward one
+                        hint = (" A tf.py_function's gradient has no static shape: write the "
+                                "layer with TensorFlow ops" if ops[j].type in
+                                ("EagerPyFunc", "PyFunc", "PyFuncStateless") else "")
                         raise UnsupportedOpError(
                             f"tensor {t.name!r} (op {ops[j].type}) has shape {t.shape} with an "
                             "unknown dimension even with the batch size fixed; tf-remat needs "
                             "static shapes (ops like Where / Unique / dynamic slicing give "
-                            "data-dependent shapes)")
+                            f"data-dependent shapes).{hint}")
 
     def _static_inputs(self, j):
         return all(t.shape.is_fully_defined() for t in self.ops[j].inputs)
