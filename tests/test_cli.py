@@ -121,3 +121,31 @@ def test_budget_units():
     assert parse_budget("0.8", 146840) == 117472
     with pytest.raises(ValueError, match="fraction"):
         parse_budget("0.8")
+
+
+def test_a_plan_for_another_graph_is_named_as_such(graph_file, tmp_path, capsys):
+    g, path = graph_file
+    other = tmp_path / "other.json"
+    linear_graph(9).save(other)
+    plan = tmp_path / "p.json"
+    assert main(["solve", str(other), "--budget", "0.9", "--strategy", "chen-greedy", "-q",
+                 "-o", str(plan)]) == 0
+    capsys.readouterr()
+    for cmd in (["simulate", path, str(plan)], ["explain", path, str(plan)],
+                ["plot", path, str(plan), "-o", str(tmp_path / "m.png")]):
+        assert main(cmd) == 2, cmd
+        err = capsys.readouterr().err
+        assert f"is a plan for graph 'linear_n9', not for '{g.name}'" in err, err
+
+
+def test_output_cut_short_by_its_reader_is_no_error(tmp_path):
+    # ``tf-remat explain ... | head``: the reader leaves, a BrokenPipeError's traceback did
+    g = linear_graph(3000)  # an explanation longer than a pipe's 64 KiB buffer
+    path, plan = tmp_path / "g.json", tmp_path / "p.json"
+    g.save(path)
+    assert main(["solve", str(path), "--budget", "0.3", "--strategy", "chen-sqrtn", "-q",
+                 "-o", str(plan)]) == 0
+    proc = subprocess.run(f"{sys.executable} -m tf_remat explain {path} {plan} --limit 3000 "
+                          f"| head -1", shell=True, capture_output=True, text=True)
+    assert proc.stdout.startswith("plan chen-sqrtn"), proc
+    assert "Traceback" not in proc.stderr, proc.stderr

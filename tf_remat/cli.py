@@ -35,6 +35,11 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print(f"tf-remat {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # the reader left (``tf-remat explain ... | head``): nothing more to say, and stdout's
+        # flush at exit would raise again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 # --------------------------------------------------------------------- commands
@@ -88,10 +93,10 @@ def cmd_solve(args) -> int:
 
 def cmd_simulate(args) -> int:
     from tf_remat.graph import Graph
-    from tf_remat.plan import Plan, simulate
+    from tf_remat.plan import simulate
 
     g = Graph.load(args.graph)
-    plan = Plan.load(args.plan)
+    plan = _plan_for(g, args.plan)
     sim = simulate(g, plan.steps)
     overhead = sim.cost / g.total_cost - 1 if g.total_cost else 0.0
     result = {"valid": True, "peak_memory": sim.peak_memory, "cost": sim.cost,
@@ -108,9 +113,10 @@ def cmd_simulate(args) -> int:
 
 def cmd_explain(args) -> int:
     from tf_remat.graph import Graph
-    from tf_remat.plan import Plan, explain
+    from tf_remat.plan import explain
 
-    print(explain(Plan.load(args.plan), Graph.load(args.graph), limit=args.limit))
+    g = Graph.load(args.graph)
+    print(explain(_plan_for(g, args.plan), g, limit=args.limit))
     return 0
 
 
@@ -210,11 +216,10 @@ def cmd_extract(args) -> int:
 
 def cmd_plot(args) -> int:
     from tf_remat.graph import Graph
-    from tf_remat.plan import Plan
     from tf_remat.plot import plot_memory
 
     g = Graph.load(args.graph)
-    plans = [Plan.load(p) for p in args.plans]
+    plans = [_plan_for(g, p) for p in args.plans]
     budget = parse_budget(args.budget, g.no_remat_peak) if args.budget else None
     out = plot_memory(g, plans, args.output, budget=budget, x=args.x)
     print(f"wrote {out}")
@@ -228,6 +233,23 @@ def cmd_demo(args) -> int:
 
 
 # --------------------------------------------------------------------- helpers
+def _plan_for(graph, path):
+    """The plan at ``path``, checked against ``graph``: a plan solved for another graph fails
+    at some step, and the error then says whose plan it is, not only which step failed."""
+    from tf_remat.errors import PlanError
+    from tf_remat.plan import Plan, simulate
+
+    plan = Plan.load(path)
+    try:
+        simulate(graph, plan.steps)
+    except PlanError as exc:
+        if plan.graph and plan.graph != graph.name:
+            raise PlanError(f"{path} is a plan for graph {plan.graph!r}, not for "
+                            f"{graph.name!r}: {exc}") from exc
+        raise
+    return plan
+
+
 def _parse_sets(items) -> dict:
     out = {}
     for item in items or ():
