@@ -149,3 +149,20 @@ def test_output_cut_short_by_its_reader_is_no_error(tmp_path):
                           f"| head -1", shell=True, capture_output=True, text=True)
     assert proc.stdout.startswith("plan chen-sqrtn"), proc
     assert "Traceback" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["demo", "--batch", "0"], "--batch: '0' is not over zero"),
+    (["demo", "--epochs", "-1"], "--epochs: '-1' is not over zero"),
+    (["solve", "g.json", "-b", "1", "--time-limit", "-2"], "--time-limit: '-2' is not over zero"),
+    (["max-batch", "--model", "bn_cnn", "--budget-gb", "0"], "--budget-gb: '0' is not over"),
+    (["max-batch", "--model", "bn_cnn", "--budget-gb", "1", "--start", "x"],
+     "--start: 'x' is not an integer"),
+])
+def test_counts_and_seconds_not_over_zero_are_refused_at_once(argv, flag, capsys):
+    # ``demo --batch 0`` ran the default batch and reported success; ``--time-limit -2``
+    # failed minutes later, after the plain step was measured
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert flag in capsys.readouterr().err

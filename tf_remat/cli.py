@@ -233,6 +233,23 @@ def cmd_demo(args) -> int:
 
 
 # --------------------------------------------------------------------- helpers
+def positive(kind):
+    """An argparse type: a number of ``kind`` over zero (a batch size, epochs, seconds), so
+    that 0 or -2 is refused at once by name, not taken as "the default" or found minutes in."""
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            what = "an integer" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"{text!r} is not over zero")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its messages
+    return parse
+
+
 def _plan_for(graph, path):
     """The plan at ``path``, checked against ``graph``: a plan solved for another graph fails
     at some step, and the error then says whose plan it is, not only which step failed."""
@@ -286,7 +303,7 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="bytes (12884901888), with a unit (12GB, 11.3GiB) or a fraction of the "
                         "no-rematerialization peak (0.8)")
     s.add_argument("--strategy", "-s", default="auto", help="see `tf-remat strategies`")
-    s.add_argument("--time-limit", type=float, default=None, help="seconds")
+    s.add_argument("--time-limit", type=positive(float), default=None, help="seconds")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--set", action="append", metavar="KEY=VALUE", help="strategy option")
     s.add_argument("--quiet", "-q", action="store_true", help="no progress on stderr")
@@ -311,13 +328,13 @@ def _build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("tradeoff", help="overhead vs budget curves for several strategies")
     s.add_argument("graph", nargs="?", help="graph file (or use --model)")
     s.add_argument("--model", help="a zoo model name, extracted first")
-    s.add_argument("--batch", type=int, default=8, help="batch size for --model")
+    s.add_argument("--batch", type=positive(int), default=8, help="batch size for --model")
     s.add_argument("--input", default=None, help="input size HxW for --model")
     s.add_argument("--cost-model", default="profile", choices=("profile", "flops"))
     s.add_argument("--budgets", default="0.4:1.0:0.05",
                    help="START:STOP:STEP or a comma list of fractions of the no-remat peak")
     s.add_argument("--strategies", nargs="+", help="default: every strategy but auto")
-    s.add_argument("--time-limit", type=float, default=10.0, help="seconds per solve")
+    s.add_argument("--time-limit", type=positive(float), default=10.0, help="seconds per solve")
     s.add_argument("--quiet", "-q", action="store_true")
     s.add_argument("-o", "--output", help="PNG path (the table goes beside it as .md); "
                                           "default benchmarks/results/tradeoff_<graph>.png")
@@ -329,12 +346,12 @@ def _build_parser() -> argparse.ArgumentParser:
     src.add_argument("--model", help="zoo model name")
     src.add_argument("--module", help="path/to/file.py:build, build(batch) -> "
                                       "(compiled_model, input_spec, label_spec)")
-    s.add_argument("--budget-gb", type=float, required=True, help="GiB (2**30 bytes)")
+    s.add_argument("--budget-gb", type=positive(float), required=True, help="GiB (2**30 bytes)")
     s.add_argument("--input", default=None, help="input size HxW for zoo models")
     s.add_argument("--strategy", default="auto")
-    s.add_argument("--time-limit", type=float, default=30.0, help="seconds per solve")
-    s.add_argument("--start", type=int, default=8, help="first batch size tried")
-    s.add_argument("--max", type=int, default=4096, help="largest batch size tried")
+    s.add_argument("--time-limit", type=positive(float), default=30.0, help="seconds per solve")
+    s.add_argument("--start", type=positive(int), default=8, help="first batch size tried")
+    s.add_argument("--max", type=positive(int), default=4096, help="largest batch size tried")
     s.add_argument("--cost-model", default="flops", choices=("flops", "profile"),
                    help="op costs for the solver (flops: no profiling at every size)")
     s.add_argument("--confirm", type=int, default=2,
@@ -354,10 +371,10 @@ def _build_parser() -> argparse.ArgumentParser:
                      "resnet50, unet, fcn8, segnet, transformer, bn_cnn, bn_cnn12")
     src.add_argument("--module", help="your model: path/to/file.py:build, build(batch) -> "
                                       "(compiled_model, input_spec, label_spec)")
-    s.add_argument("--batch", type=int, default=8, help="batch size")
+    s.add_argument("--batch", type=positive(int), default=8, help="batch size")
     s.add_argument("--input", default=None, help="input size HxW (sequence length for "
                                                  "transformer); default: the model's")
-    s.add_argument("--classes", type=int, default=None, help="output classes")
+    s.add_argument("--classes", type=positive(int), default=None, help="output classes")
     s.add_argument("--cost-model", default="profile", choices=("profile", "flops"),
                    help="profile: measure each node here (cached); flops: estimate")
     s.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
@@ -382,12 +399,12 @@ def _build_parser() -> argparse.ArgumentParser:
     s.add_argument("--budget", default=None,
                    help="fraction of the plain peak or a size (default: 0.6 of the measured "
                         "plain step when training, 0.8 of the no-remat peak with --graph)")
-    s.add_argument("--time-limit", type=float, default=None,
+    s.add_argument("--time-limit", type=positive(float), default=None,
                    help="solver seconds (default 30 per solve when training, 10 per strategy "
                         "with --graph)")
     s.add_argument("--model", default=None, help="zoo model to train (default bn_cnn12)")
-    s.add_argument("--batch", type=int, default=None, help="batch size (default 128)")
-    s.add_argument("--epochs", type=int, default=None, help="epochs of model.fit (default 2)")
+    s.add_argument("--batch", type=positive(int), default=None, help="batch size (default 128)")
+    s.add_argument("--epochs", type=positive(int), default=None, help="epochs of model.fit (default 2)")
     s.add_argument("--strategy", default=None, help="strategy for optimize (default auto)")
     s.add_argument("-o", "--output", default=None,
                    help="memory plot to write (default demo_memory.png)")

@@ -19,17 +19,19 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main(argv=None):
+    from tf_remat.cli import positive
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="zoo model name (tf-remat models lists them)")
     src.add_argument("--module", help="path/to/file.py:build")
-    p.add_argument("--batch", type=int, required=True)
-    p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--budget-gb", type=float, default=None, help="GiB (2**30 bytes)")
+    p.add_argument("--batch", type=positive(int), required=True)
+    p.add_argument("--epochs", type=positive(int), default=3)
+    p.add_argument("--budget-gb", type=positive(float), default=None, help="GiB (2**30 bytes)")
     p.add_argument("--no-remat", action="store_true", help="train the plain step")
     p.add_argument("--strategy", default="auto")
-    p.add_argument("--time-limit", type=float, default=60.0)
-    p.add_argument("--batches-per-epoch", type=int, default=8)
+    p.add_argument("--time-limit", type=positive(float), default=60.0)
+    p.add_argument("--batches-per-epoch", type=positive(int), default=8)
     p.add_argument("--input", default=None, help="HxW for zoo models")
     p.add_argument("--data", default=None,
                    help="path/to/file.py:function returning a tf.data.Dataset of (x, y) "
