@@ -828,6 +828,12 @@ def test_bad_specs_and_time_limit_are_refused_before_tracing(monkeypatch):
     for kw, message in cases:
         with pytest.raises(UnsupportedOpError, match=message):
             tf_remat.optimize(model, budget_gb=1.0, verbose=0, **kw)
+    with pytest.raises(TypeError, match="model must be a Keras 3 model .* got function"):
+        tf_remat.optimize(lambda x: x, budget_gb=1.0, input_spec=ok_x, label_spec=ok_y)
+    with monkeypatch.context() as m:
+        m.setattr(keras.backend, "backend", lambda: "jax")
+        with pytest.raises(UnsupportedOpError, match="KERAS_BACKEND=tensorflow"):
+            tf_remat.optimize(model, budget_gb=1.0, input_spec=ok_x, label_spec=ok_y)
     for bad in (-3, 0):
         with pytest.raises(ValueError, match="time_limit must be a positive"):
             tf_remat.optimize(model, budget_gb=1.0, input_spec=ok_x, label_spec=ok_y,

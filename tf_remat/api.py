@@ -25,7 +25,7 @@ import time
 from typing import Any
 
 from tf_remat._units import format_bytes
-from tf_remat.errors import InfeasibleBudgetError, RematError, warn
+from tf_remat.errors import InfeasibleBudgetError, RematError, UnsupportedOpError, warn
 
 __all__ = ["optimize", "OptimizedStep", "detach", "measure_step_peak", "step_allocations",
            "solve_isolated"]
@@ -162,8 +162,10 @@ def optimize(model, budget_gb: float | None = None, *, budget_bytes: int | None 
         UnsupportedOpError: a spec is not a ``tf.TensorSpec`` with every dimension known, the
             specs disagree on the batch size, the step cannot be traced with static shapes
             (the message names the tensor), there is no loss / optimizer, or the model was
-            built under a ``tf.distribute`` strategy (the rewritten step is a one-device step).
+            built under a ``tf.distribute`` strategy (the rewritten step is a one-device step),
+            or Keras runs on another backend than TensorFlow.
         ValueError: a budget, ``time_limit`` or ``chain`` that is not valid.
+        TypeError: ``model`` is not a Keras 3 ``keras.Model``.
 
     Example:
         >>> step = tf_remat.optimize(model, budget_gb=16,
@@ -176,6 +178,18 @@ def optimize(model, budget_gb: float | None = None, *, budget_bytes: int | None 
     from tf_remat.rewrite import CHAINS
 
     # each argument checked before minutes of tracing and profiling, not after
+    import keras
+
+    if not isinstance(model, keras.Model):
+        kind = type(model).__module__.split(".")[0]
+        raise TypeError(f"model must be a Keras 3 model (keras.Model, TensorFlow backend), got "
+                        f"{type(model).__name__}"
+                        + (" from tf_keras (Keras 2): build it with keras 3's layers"
+                           if kind == "tf_keras" else ""))
+    if keras.backend.backend() != "tensorflow":
+        raise UnsupportedOpError(f"tf-remat rewrites TensorFlow training steps, and Keras runs "
+                                 f"on the {keras.backend.backend()!r} backend: set "
+                                 f"KERAS_BACKEND=tensorflow before keras is imported")
     if chain not in CHAINS:
         raise ValueError(f"chain must be one of {CHAINS}, got {chain!r}")
     check_specs(input_spec, label_spec)
