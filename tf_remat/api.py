@@ -174,12 +174,13 @@ def optimize(model, budget_gb: float | None = None, *, budget_bytes: int | None 
         >>> loss = step(x, y)                                                    # doctest: +SKIP
         >>> model.fit(dataset.batch(32), epochs=3)   # trains with the step    # doctest: +SKIP
     """
-    from tf_remat.extract import check_specs
-    from tf_remat.rewrite import CHAINS
-
-    # each argument checked before minutes of tracing and profiling, not after
     import keras
 
+    from tf_remat.extract import check_specs
+    from tf_remat.rewrite import CHAINS
+    from tf_remat.solvers import check_time_limit
+
+    # each argument checked before minutes of tracing and profiling, not after
     if not isinstance(model, keras.Model):
         kind = type(model).__module__.split(".")[0]
         raise TypeError(f"model must be a Keras 3 model (keras.Model, TensorFlow backend), got "
@@ -193,9 +194,7 @@ def optimize(model, budget_gb: float | None = None, *, budget_bytes: int | None 
     if chain not in CHAINS:
         raise ValueError(f"chain must be one of {CHAINS}, got {chain!r}")
     check_specs(input_spec, label_spec)
-    if time_limit is not None and not time_limit > 0:
-        raise ValueError(f"time_limit must be a positive number of seconds or None (no "
-                         f"limit), got {time_limit!r}")
+    check_time_limit(time_limit)
     budget = _budget_bytes(budget_gb, budget_bytes)
     strategy = _resolve_strategy(strategy, verbose)
     given = _given_plan(plan)  # a missing or malformed file fails before any tracing
@@ -842,7 +841,9 @@ class OptimizedStep:
     def _cast(self, x, y):
         import tensorflow as tf
 
-        sizes = {}
+        from tf_remat.extract import _leaf_name
+
+        sizes = {}  # batch size -> the first tensor seen with it (named only on an error)
 
         def cast(t, spec, where):
             t = tf.convert_to_tensor(t)
@@ -857,7 +858,7 @@ class OptimizedStep:
                     f"resize to that shape, or optimize(..., input_spec=..., label_spec=...) "
                     f"with this one")
             if got:
-                sizes.setdefault(got[0], f"{where} has batch size {got[0]}")
+                sizes.setdefault(got[0], where)
             return t if t.dtype == spec.dtype else tf.cast(t, spec.dtype)
 
         def conform(v, spec, what):
@@ -870,14 +871,14 @@ class OptimizedStep:
                     from exc
             leaves, specs = tf.nest.flatten(v), tf.nest.flatten(spec)
             return tf.nest.pack_sequence_as(spec, [
-                cast(t, s, what if len(specs) == 1 else f"{what} (leaf {i})")
+                cast(t, s, _leaf_name(what, i, len(specs)))
                 for i, (t, s) in enumerate(zip(leaves, specs))])
 
         x = conform(x, self.input_spec, "x")
         y = conform(y, self.label_spec, "y")
         if len(sizes) > 1:
             raise ValueError(f"inputs and labels disagree on the batch size: "
-                             f"{'; '.join(sizes.values())}")
+                             f"{'; '.join(f'{w} has batch size {b}' for b, w in sizes.items())}")
         return x, y
 
     def _warn_once(self, key, message):

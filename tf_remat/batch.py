@@ -224,9 +224,9 @@ def max_batch_size(build, budget_gb: float | None = None, *, budget_bytes: int |
         raise ValueError(f"the budget must be positive, got {budget} bytes")
     if confirm < 0:
         raise ValueError(f"confirm must be >= 0, got {confirm}")
-    if time_limit is not None and not time_limit > 0:  # not once per probe, after its trace
-        raise ValueError(f"time_limit must be a positive number of seconds or None (no "
-                         f"limit), got {time_limit!r}")
+    from tf_remat.solvers import check_time_limit
+
+    check_time_limit(time_limit)  # once here, not in every probe after its trace
     probes = []
     from tf_remat._progress import bar
 

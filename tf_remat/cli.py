@@ -246,7 +246,6 @@ def positive(kind):
             raise argparse.ArgumentTypeError(f"{text!r} is not over zero")
         return value
 
-    parse.__name__ = kind.__name__  # argparse names the type in its messages
     return parse
 
 

@@ -62,18 +62,17 @@ def run_training_demo(args) -> int:
 
     import tf_remat
     from tf_remat._units import parse_budget
-    from tf_remat.api import _MEASURE_RUNS, measure_step_peak, verification_layouts
+    from tf_remat.api import (_MEASURE_RUNS, _resolve_strategy, measure_step_peak,
+                              verification_layouts)
     from tf_remat.errors import InfeasibleBudgetError
     from tf_remat.extract import extract, trace_training_step
-    from tf_remat.solvers import get_strategy
     from tf_remat.zoo import get_model
 
     name = getattr(args, "model", None) or DEFAULT_MODEL
     batch = int(getattr(args, "batch", None) or DEFAULT_BATCH)
     epochs = int(getattr(args, "epochs", None) or 2)
-    strategy = getattr(args, "strategy", None) or "auto"
-    if strategy != "auto":
-        get_strategy(strategy)  # an unknown name fails now, not after the plain step's run
+    # an unknown name fails now, not after the plain step's run
+    strategy = _resolve_strategy(getattr(args, "strategy", None) or "auto", 1)
     # 30 s: the portfolio is mostly FastSA at this size, and on a 2-core machine with other
     # work running, 10 s solves found no plan at budgets 30 s reach, and the demo gave up
     time_limit = float(getattr(args, "time_limit", None) or 30.0)

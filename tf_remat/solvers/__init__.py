@@ -26,7 +26,7 @@ from tf_remat.graph import Graph
 from tf_remat.plan import Plan, Schedule, make_plan
 
 __all__ = ["Strategy", "get_strategy", "available_strategies", "solve", "register",
-           "Progress", "check_plan"]
+           "Progress", "check_plan", "check_time_limit"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,6 +186,14 @@ class Progress:
             print("  ".join(parts), file=self.stream, flush=True)
 
 
+def check_time_limit(time_limit) -> None:
+    """A ValueError unless ``time_limit`` is None (no limit) or a number of seconds over zero;
+    callers that trace a model first (``optimize``, ``max_batch_size``) check it up front."""
+    if time_limit is not None and not time_limit > 0:
+        raise ValueError(f"time_limit must be a positive number of seconds or None (no "
+                         f"limit), got {time_limit!r}")
+
+
 def solve(graph: Graph, budget: int, strategy: str | Callable | Strategy = "auto", *,
           time_limit: float | None = None, seed: int = 0, callback=None, verbose: int = 0,
           **options: Any) -> Plan:
@@ -215,8 +223,7 @@ def solve(graph: Graph, budget: int, strategy: str | Callable | Strategy = "auto
     budget = int(budget)
     if budget < 0:
         raise ValueError(f"budget must be >= 0 bytes, got {budget}")
-    if time_limit is not None and time_limit <= 0:
-        raise ValueError(f"time_limit must be > 0 seconds, got {time_limit}")
+    check_time_limit(time_limit)
     progress = Progress(strat.name, graph, verbose=verbose, callback=callback)
     start = time.perf_counter()
     if budget < graph.budget_lower_bound:
