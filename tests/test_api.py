@@ -90,6 +90,23 @@ def plain_and_step_gradients(model, xs, ys, step, x, y):
     return g1, g2
 
 
+def test_measure_step_peak_takes_keras_variables_and_restores_them():
+    # a user measuring their own step passes model.variables: Keras 3 variables, whose shape
+    # is a tuple and dtype a string (this raised AttributeError: 'str' ... 'size')
+    from tf_remat.api import measure_step_peak
+    from tf_remat.extract import trace_training_step
+
+    model, xs, ys = fresh(lambda: mlp(batch=64, d=32, width=64, depth=1))
+    ref = trace_training_step(model, xs, ys)
+    x, y = (tf.constant(a) for a in data(xs, ys))
+    before = model_state(model)
+    got = measure_step_peak(ref.function, x, y,
+                            variables=model.variables + model.optimizer.variables)
+    want = measure_step_peak(ref.function, x, y, variables=ref.variables)
+    assert got["owned_bytes"] == want["owned_bytes"] > 4 * model.count_params()
+    assert all(np.array_equal(a, v.numpy()) for a, v in zip(before, model.variables))
+
+
 @pytest.mark.parametrize("builder, fraction", [(cnn, 0.7), (mlp, 0.9)])
 def test_optimized_step_trains_like_keras(builder, fraction):
     model, xs, ys = fresh(builder)
