@@ -1309,13 +1309,9 @@ def _batch_of(x) -> int:
 
 def _owned_bytes(variables, kind) -> int:
     """Bytes the variables hold as TensorFlow counts them: the step's own, not allocated by it."""
-    import tensorflow as tf
+    from tf_remat.extract import variable_bytes
 
-    from tf_remat.extract import counted_bytes
-
-    # Keras 3 variables give their shape as a tuple and their dtype as a string
-    return sum(counted_bytes(int(tf.TensorShape(v.shape).num_elements() or 0)
-                             * tf.as_dtype(v.dtype).size, kind) for v in variables)
+    return sum(variable_bytes(v, kind) for v in variables)
 
 
 def _restore(variables, values):

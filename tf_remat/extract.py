@@ -729,6 +729,15 @@ def measure_node_memory(traced: TracedStep, op_map: OpMap, *, x=None, y=None) ->
             [b if b >= _MIN_WORKSPACE else 0 for b in inter])
 
 
+def variable_bytes(var, device_kind: str) -> int:
+    """A variable's bytes as the device's allocator counts them; a ``tf.Variable`` or a Keras 3
+    variable (whose shape is a tuple and dtype a string)."""
+    import tensorflow as tf
+
+    n = tf.TensorShape(var.shape).num_elements() or 0
+    return counted_bytes(int(n) * tf.as_dtype(var.dtype).size, device_kind)
+
+
 def snapshot_variables(variables) -> list:
     """The variables' values as private NumPy copies, for :func:`restore_variables`. Copies,
     not views: a NumPy view of a variable's buffer makes TensorFlow copy the variable when the
@@ -2117,8 +2126,7 @@ class _Analysis:
             key = id(var)
             if key not in seen_vars:
                 seen_vars.add(key)
-                fixed += counted_bytes(int(var.shape.num_elements() or 0) * var.dtype.size,
-                                       dev)
+                fixed += variable_bytes(var, dev)
         for j in self.placeholders:
             fixed += sum(counted_bytes(b, dev) for b in self.out_bytes[j])
         fixed_ops, dead_ops, sink_ops = [], [], []
