@@ -4,7 +4,6 @@ import collections
 import json
 import os
 
-import numpy as np
 import pytest
 
 tf = pytest.importorskip("tensorflow")
@@ -792,38 +791,3 @@ def test_a_shared_layers_two_branches_stay_in_separate_nodes(monkeypatch):
     budget = g.budget_lower_bound + (g.no_remat_peak - g.budget_lower_bound) // 10
     plan = solve(g, budget=budget, strategy="checkmate-milp", time_limit=30)
     assert plan.peak_memory <= budget, (plan.peak_memory, budget, g.budget_lower_bound)
-
-
-def test_a_nodes_intermediate_outputs_are_counted_while_it_runs(monkeypatch):
-    """The input gradient of the strided 1x1 shortcut (2 MiB here) is added into the other
-    branch's gradient in place by the node's own AddN and freed: no other node reads it, so
-    the graph counted none of it. Plans recomputing around it asked TensorFlow for more than
-    they simulated (siamese at batch 32: 18.28 MiB requested of a 16.33 MiB plan). Now a
-    workspace node holds it while its node runs, and what the rewritten step's kernels request
-    stays within the simulated peak."""
-    from tf_remat import solve
-    from tf_remat.api import step_allocations
-    from tf_remat.extract import extract, snapshot_variables
-    from tf_remat.rewrite import rewrite
-
-    monkeypatch.setenv("TF_REMAT_CONV_GRADIENTS", "tensorflow")
-    keras.utils.set_random_seed(0)
-    model, xs, ys = _siamese(batch=32, hw=32)
-    ex = extract(model, input_spec=xs, label_spec=ys, cost_model="flops", verbose=0)
-    g = ex.graph
-    budget = g.budget_lower_bound + (g.no_remat_peak - g.budget_lower_bound) // 10
-    plan = solve(g, budget=budget, strategy="checkmate-milp", time_limit=30)
-    assert plan.peak_memory <= budget
-    step = rewrite(ex.traced, g, ex.op_map, plan)
-    rng = np.random.default_rng(0)
-    x = [tf.constant(rng.standard_normal(s.shape), tf.float32) for s in xs]
-    y = tf.constant(rng.integers(0, 2, ys.shape), tf.int32)
-    before = snapshot_variables(ex.traced.variables)
-    got = step_allocations(step, x, y, variables=ex.traced.variables)
-    assert all(np.array_equal(a, v.numpy()) for a, v in zip(before, ex.traced.variables))
-    batch = sum(int(np.prod(t.shape)) * t.dtype.size for t in x + [y])
-    requested = got["requested_peak_bytes"] + got["owned_bytes"] + batch
-    # the simulator counts 256-byte-rounded buffers and the allocator's small-pool cutoff:
-    # what the kernels request is at most a few percent off either way, never a whole buffer
-    assert requested <= 1.03 * plan.peak_memory, (requested / 2**20, plan.peak_memory / 2**20)
-    assert ex.info["intermediate_bytes"] >= 1 << 20

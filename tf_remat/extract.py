@@ -60,8 +60,6 @@ _UNTRACKED_BELOW: dict = {}
 #: which made graphs of one model differ in their number of nodes; they are well inside the
 #: verification margin
 _MIN_WORKSPACE = 1 << 20
-#: a node's intermediate outputs are counted to this granularity (see measure_node_memory)
-_ROUND_INTERMEDIATE = 256 << 10
 #: a value computed from variables alone (SGD's ``momentum * m``, a weight's cast) of this size or
 #: more is a node, scheduled like any other: as a fixed op it would run at the step's start and
 #: stay resident until its reader, at the end (densenet's momentum products: 25 MiB, one per
@@ -516,10 +514,7 @@ def extract(model, *, input_spec, label_spec, loss=None, optimizer=None,
     else:
         costs, pinfo = _profile.flops_costs(traced, op_map)
     t3 = time.perf_counter()
-    scratch, inter = measure_node_memory(traced, op_map)
-    # one node holds both while its node runs (scratch freed before the outputs exist counts
-    # whole: the workspace node stands beside the node's output in the simulator)
-    workspace = [max(a, b) for a, b in zip(scratch, inter)]
+    workspace = measure_workspace(traced, op_map)
     graph_fields, op_map, costs = with_workspace_nodes(graph_fields, op_map, costs, workspace)
     t4 = time.perf_counter()
     batch = _first_dim(input_spec)
@@ -530,8 +525,7 @@ def extract(model, *, input_spec, label_spec, loss=None, optimizer=None,
             "dead_ops": len(op_map.dead_ops), "nodes": graph.n, "edges": len(graph.edges),
             "trace_seconds": t1 - t0, "group_seconds": t2 - t1, "cost_seconds": t3 - t2,
             "workspace_nodes": sum(1 for b in workspace if b),
-            "workspace_bytes": max(scratch, default=0),
-            "intermediate_bytes": max(inter, default=0), "workspace_seconds": t4 - t3,
+            "workspace_bytes": max(workspace, default=0), "workspace_seconds": t4 - t3,
             "cost_model": cost_model, "loops": forward_loops(traced, op_map),
             "loop_bytes": loop_memory(traced, op_map), **pinfo}
     return Extraction(graph=graph, op_map=op_map, traced=traced, info=info)
@@ -652,29 +646,12 @@ def measure_workspace(traced: TracedStep, op_map: OpMap, *, x=None, y=None) -> l
     buffer whatever the layer's size; on a GPU, cuDNN takes convolution workspaces. The
     figure is the most a node's ops hold at once, rounded as the allocator counts (0 under
     1 MiB: see ``_MIN_WORKSPACE``). All zeros when TensorFlow keeps no memory statistics for
-    the device or the profiler is busy. :func:`measure_node_memory` gives what the node's
-    intermediate outputs hold beside it.
-    """
-    return measure_node_memory(traced, op_map, x=x, y=y)[0]
-
-
-def measure_node_memory(traced: TracedStep, op_map: OpMap, *, x=None, y=None) -> tuple:
-    """``(scratch, intermediates)``: per node, its kernels' scratch bytes
-    (:func:`measure_workspace`) and the most its ops hold at once beyond the node's counted
-    values (outputs no other node reads, and scratch), from one profiled run of the traced
-    step. Both 0 under 1 MiB; intermediates to the nearest 256 KiB.
-
-    Intermediate outputs are freed by the node's own ops, so the graph counts none of them,
-    yet they are held while the node runs. The gradient of a strided 1x1 convolution's input
-    is a 4 MiB buffer at siamese's batch 32 (``tools/bench_heldout.py``) that the node's
-    AddN adds into another node's buffer in place and frees: plans recomputing around it
-    asked TensorFlow for 12% more than they simulated. Needs the op map's ``buffers``
-    (all zeros without them).
+    the device or the profiler is busy.
     """
     kind = current_device_kind()
     ws = [0] * op_map.n
     if memory_stats_missing(f"{kind}:0"):
-        return ws, list(ws)
+        return ws
     if x is None:
         x = _random_like(traced.input_spec, seed=1)
     if y is None:
@@ -687,7 +664,7 @@ def measure_node_memory(traced: TracedStep, op_map: OpMap, *, x=None, y=None) ->
     except Exception as exc:  # noqa: BLE001 (a profiler already running, say: costs nothing)
         warn(f"tf-remat: kernel scratch space not measured ({exc}); the plan counts "
              "none")
-        return ws, list(ws)
+        return ws
     finally:
         restore_variables(traced.variables, saved)
     node_of = op_map.node_of()
@@ -698,35 +675,20 @@ def measure_node_memory(traced: TracedStep, op_map: OpMap, *, x=None, y=None) ->
     # from one run did not fit the next. The measured check sees it when a plan's order makes it
     updates = {op.name for op in traced.function.graph.get_operations()
                if _VARIABLE_UPDATE_RE.match(op.type)}
-    # the values the graph counts for each node: what it holds after it runs
-    counted = [sum(int(b) for _, b in bufs) for bufs in op_map.buffers] if op_map.buffers \
-        else [None] * op_map.n
-    live, held, everything, most = {}, [0] * op_map.n, [0] * op_map.n, [0] * op_map.n
+    live, held = {}, [0] * op_map.n
     for _, alloc, st in events:
         if alloc:
             v = node_of.get(st.get("tf_op"))
-            if v is None or st.get("tf_op") in updates:
+            if v is None or st.get("region_type") != "temp" or st.get("tf_op") in updates:
                 continue
             b = counted_bytes(int(st.get("requested_bytes", 0)), kind)
-            temp = st.get("region_type") == "temp"
-            live[st.get("addr")] = (v, b, temp)
-            everything[v] += b
-            most[v] = max(most[v], everything[v])
-            if temp:
-                held[v] += b
-                ws[v] = max(ws[v], held[v])
+            live[st.get("addr")] = (v, b)
+            held[v] += b
+            ws[v] = max(ws[v], held[v])
         elif st.get("addr") in live:
-            v, b, temp = live.pop(st.get("addr"))
-            everything[v] -= b
-            if temp:
-                held[v] -= b
-    # to the nearest 256 KiB: kernels' few-KiB allocations come and go between runs, and the
-    # figure is part of the graph a saved plan is checked against
-    inter = [0 if c is None else max(0, (m - c + _ROUND_INTERMEDIATE // 2)
-                                     // _ROUND_INTERMEDIATE * _ROUND_INTERMEDIATE)
-             for m, c in zip(most, counted)]
-    return ([b if b >= _MIN_WORKSPACE else 0 for b in ws],
-            [b if b >= _MIN_WORKSPACE else 0 for b in inter])
+            v, b = live.pop(st.get("addr"))
+            held[v] -= b
+    return [b if b >= _MIN_WORKSPACE else 0 for b in ws]
 
 
 def variable_bytes(var, device_kind: str) -> int:
