@@ -722,6 +722,53 @@ def test_regularizers_and_nesterov_momentum_train_as_keras_does(explicit_loss):
     assert penalty > 1e-2 * keras_loss[0]
 
 
+def embedding_net(vocab=1000, steps=48, dim=16):
+    """Token ids -> Embedding -> Conv1D with BatchNorm and a residual add -> pooled head: its
+    embedding gradient is IndexedSlices."""
+    inp = keras.Input((steps,), dtype="int32")
+    h = keras.layers.Embedding(vocab, dim)(inp)
+    r = keras.layers.Conv1D(dim, 3, padding="same", activation="relu")(h)
+    h = keras.layers.Add()([h, keras.layers.BatchNormalization()(r)])
+    h = keras.layers.GlobalAveragePooling1D()(h)
+    return keras.Model(inp, keras.layers.Dense(10)(h))
+
+
+@pytest.mark.parametrize("opt", ["rmsprop", "rmsprop-centered", "adagrad", "adam"])
+def test_an_embeddings_sparse_gradient_trains_as_keras_does(opt):
+    """Keras's RMSprop and Adagrad update from an embedding's IndexedSlices gradient through
+    tf.unique and conds whose shapes depend on the ids in the batch; such a step is traced
+    with the gradients made dense, with a warning (an error about an unknown dimension
+    before). Two steps from one state, on batches whose ids do not repeat, then give Keras's
+    losses, weights and slots; Adam, whose update from them has static shapes, keeps them."""
+    from tf_remat.extract import trace_training_step
+
+    keras.utils.set_random_seed(5)
+    model = embedding_net()
+    make = {"rmsprop": lambda: keras.optimizers.RMSprop(1e-2, momentum=0.5),
+            "rmsprop-centered": lambda: keras.optimizers.RMSprop(1e-2, centered=True),
+            "adagrad": lambda: keras.optimizers.Adagrad(5e-2),
+            "adam": lambda: keras.optimizers.Adam(1e-2)}[opt]
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  optimizer=make())
+    model.optimizer.build(model.trainable_variables)
+    xs, ys = tf.TensorSpec((16, 48), tf.int32), tf.TensorSpec((16,), tf.int32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        traced = trace_training_step(model, xs, ys)
+    # dense only where the sparse update cannot be sized
+    assert any("IndexedSlices" in str(w.message) for w in caught) == (opt != "adam")
+    assert all(t.shape.is_fully_defined() for op in traced.function.graph.get_operations()
+               for t in op.outputs)
+    step = tf_remat.optimize(model, budget_bytes=mid_budget(model, xs, ys), input_spec=xs,
+                             label_spec=ys, verify=False, attach=False, **FAST)
+    rng = np.random.default_rng(2)
+    batches = [(tf.constant(rng.permutation(1000)[:16 * 48].reshape(16, 48).astype("int32")),
+                tf.constant(rng.integers(0, 10, 16).astype("int32"))) for _ in range(2)]
+    _, _, values = trains_as_keras(model, step, batches)
+    table = next(v for k, v in values.items() if k.endswith("embeddings"))
+    assert np.abs(table - model.layers[1].embeddings.numpy()).max() > 0  # the table trained
+
+
 def test_optimizer_options_train_as_keras_does():
     """Clipping by global norm, decoupled weight decay, an exponential moving average written
     back every two steps and gradients accumulated over two batches: Keras 3 runs all of them

@@ -402,6 +402,14 @@ def trace_training_step(model, input_spec, label_spec, *, loss=None, optimizer=N
         raise UnsupportedOpError("weighted=True takes label_spec as a pair (spec of the labels, "
                                  "spec of the sample weights)")
 
+    # an embedding's gradient is IndexedSlices; some optimizers (Keras's RMSprop and Adagrad)
+    # update from them through tf.unique and conds whose shapes depend on the batch's ids, which
+    # no static plan can size. Such a step is traced again with the gradients made dense: their
+    # untouched rows are zeros, which these element-wise updates turn into the sparse path's
+    # result (slots decay as the sparse path's dense slot arithmetic does, the weight moves by
+    # 0). Rows hit by several ids differ: Keras squares each occurrence's slice before summing
+    densify = {"on": False, "sparse": False}
+
     def step(x, y):
         sw = None
         if weighted:
@@ -435,7 +443,11 @@ def trace_training_step(model, input_spec, label_spec, *, loss=None, optimizer=N
         if return_predictions:
             marks["predictions"] = y_pred
             preds = tuple(tf.nest.flatten(y_pred))
+        densify["sparse"] = any(isinstance(g, tf.IndexedSlices) for g in grads)
         if apply_updates:
+            if densify["on"]:
+                grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
+                         for g in grads]
             pairs = [(g, v) for g, v in zip(grads, trainable) if g is not None]
             optimizer.apply_gradients(pairs)
             return (value, *preds) if preds else value
@@ -444,11 +456,25 @@ def trace_training_step(model, input_spec, label_spec, *, loss=None, optimizer=N
                  for g, v in zip(grads, trainable)]
         return (value, *grads, *preds)
 
-    fn = tf.function(step, autograph=False)
-    try:
-        concrete = fn.get_concrete_function(input_spec, label_spec)
-    except (TypeError, ValueError) as exc:
-        raise UnsupportedOpError(f"tracing the training step failed: {exc}") from exc
+    def trace():
+        try:
+            return tf.function(step, autograph=False).get_concrete_function(input_spec,
+                                                                             label_spec)
+        except (TypeError, ValueError) as exc:
+            raise UnsupportedOpError(f"tracing the training step failed: {exc}") from exc
+
+    concrete = trace()
+    if apply_updates and densify["sparse"] and _update_has_unknown_shapes(
+            concrete.graph, marks["backward"]):
+        densify["on"] = True
+        marks.clear()
+        concrete = trace()
+        warn(f"tf-remat: {type(optimizer).__name__} updates from a sparse (IndexedSlices) "
+             "gradient, an embedding's, through shapes that depend on the ids in the batch; "
+             "the step makes that gradient dense (its memory is planned). It updates as Keras "
+             "does when no id repeats within a batch; a repeated id's second-moment slot gets "
+             "the square of its summed gradient, as in dense training, where Keras 3 sums the "
+             "squares of its occurrences")
     graph = concrete.graph
     handles = {id(v.handle): v for v in concrete.variables if hasattr(v, "handle")}
     captures = {}
@@ -466,6 +492,14 @@ def trace_training_step(model, input_spec, label_spec, *, loss=None, optimizer=N
                       input_ops=tuple(placeholders[:n_x]), label_ops=tuple(placeholders[n_x:]),
                       phase_marks=(marks.get("forward", 0), marks.get("backward", 0)),
                       predictions=marks.get("predictions"), weighted=weighted)
+
+
+def _update_has_unknown_shapes(graph, after: int) -> bool:
+    """Whether an op traced after op id ``after`` (the optimizer update) has an output of a
+    shape that is not static."""
+    return any(not t.shape.is_fully_defined()
+               for op in graph.get_operations() if op._id > after  # noqa: SLF001
+               for t in op.outputs)
 
 
 def extract(model, *, input_spec, label_spec, loss=None, optimizer=None,
