@@ -341,6 +341,56 @@ def bilstm(batch=32, steps=64, features=32):
     return model, tf.TensorSpec((batch, steps, features)), tf.TensorSpec((batch,), tf.int32)
 
 
+def textcnn(batch=32, steps=128, vocab=2000):
+    """Token ids through an Embedding, three dilated Conv1D residual blocks (BatchNorm, GELU,
+    Dropout), LayerNorm, max and mean pooling concatenated, RMSprop: the embedding's gradient
+    is IndexedSlices, which RMSprop updates from through data-dependent shapes."""
+    import keras
+    import tensorflow as tf
+
+    L = keras.layers
+    inp = keras.Input((steps,), dtype="int32")
+    h = L.Embedding(vocab, 64)(inp)
+    for rate in (1, 2, 4):
+        r = L.Conv1D(64, 5, padding="same", dilation_rate=rate)(h)
+        r = L.Dropout(0.2)(L.Activation("gelu")(L.BatchNormalization()(r)))
+        h = L.Add()([h, r])
+    h = L.LayerNormalization()(h)
+    h = L.Concatenate()([L.GlobalMaxPooling1D()(h), L.GlobalAveragePooling1D()(h)])
+    model = keras.Model(inp, L.Dense(2)(L.Dropout(0.3)(h)), name="textcnn")
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  optimizer=keras.optimizers.RMSprop(1e-3))
+    return model, tf.TensorSpec((batch, steps), tf.int32), tf.TensorSpec((batch,), tf.int32)
+
+
+def senet(batch=32, hw=32):
+    """Residual blocks with squeeze-and-excitation (pooled Dense gates multiplied back in), a
+    DepthwiseConv2D, SpatialDropout2D and BatchNorm; ZeroPadding2D, MaxPooling2D, Flatten and
+    Dropout before the head; SGD with momentum."""
+    import keras
+    import tensorflow as tf
+
+    L = keras.layers
+    inp = keras.Input((hw, hw, 3))
+    h = L.Activation("swish")(L.BatchNormalization()(L.Conv2D(32, 3)(L.ZeroPadding2D(1)(inp))))
+    for f in (32, 64, 64):
+        stride = 2 if f != h.shape[-1] else 1
+        r = L.ReLU()(L.BatchNormalization()(L.Conv2D(f, 3, strides=stride, padding="same")(h)))
+        r = L.SpatialDropout2D(0.1)(r)
+        r = L.BatchNormalization()(L.DepthwiseConv2D(3, padding="same")(r))
+        gate = L.GlobalAveragePooling2D()(r)
+        gate = L.Dense(f, activation="sigmoid")(L.Dense(f // 4, activation="relu")(gate))
+        r = L.Multiply()([r, L.Reshape((1, 1, f))(gate)])
+        if stride > 1:
+            h = L.Conv2D(f, 1, strides=stride)(h)
+        h = L.ReLU()(L.Add()([h, r]))
+    h = L.Dropout(0.3)(L.Flatten()(L.MaxPooling2D()(h)))
+    model = keras.Model(inp, L.Dense(10)(h), name="senet")
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  optimizer=keras.optimizers.SGD(0.01, momentum=0.9))
+    return model, tf.TensorSpec((batch, hw, hw, 3)), tf.TensorSpec((batch,), tf.int32)
+
+
 def xception(batch=32, hw=64):
     """A small Xception: SeparableConv2D (depthwise then pointwise) with BatchNorm, strided
     MaxPooling2D beside 1x1 strided projection shortcuts, SpatialDropout2D, a top Dropout."""
@@ -598,6 +648,7 @@ MODELS = {"resdrop": resdrop, "unet_bn": unet_bn, "densenet": densenet,
           "efficientnet": efficientnet, "mixer": mixer, "vit": vit,
           "twotower": twotower, "siamese": siamese, "decoder_gn": decoder_gn,
           "noisy": noisy, "bilstm": bilstm, "xception": xception, "tcn": tcn,
+          "textcnn": textcnn, "senet": senet,
           "grouped": grouped, "regnet": regnet, "resmlp": resmlp,
           "subclassed": subclassed, "augment": augment, "mixed": mixed, **APPLICATIONS}
 
@@ -611,16 +662,27 @@ def _batch(spec) -> int:
 
 
 def _data(xs, ys, model, n=None, seed=0):
-    """Synthetic inputs and labels for the specs (nests too): normal floats; integer labels
-    under the class count of the output they belong to (by output name), float labels
-    normal."""
+    """Synthetic inputs and labels for the specs (nests too): normal floats, integer inputs
+    token ids; integer labels under the class count of the output they belong to (by output
+    name), float labels normal."""
     import numpy as np
     import tensorflow as tf
 
+    import keras
+
     rng = np.random.default_rng(seed)
     n = n or _batch(xs)
-    x = tf.nest.map_structure(
-        lambda s: rng.standard_normal((n,) + tuple(s.shape[1:])).astype("float32"), xs)
+    # integer inputs are token ids, under the first Embedding's vocabulary
+    vocab = next((la.input_dim for la in model._flatten_layers()
+                  if isinstance(la, keras.layers.Embedding)), 2)
+
+    def features(s):
+        shape = (n,) + tuple(s.shape[1:])
+        if s.dtype.is_integer:
+            return rng.integers(0, vocab, shape).astype(s.dtype.as_numpy_dtype)
+        return rng.standard_normal(shape).astype("float32")
+
+    x = tf.nest.map_structure(features, xs)
     if hasattr(model, "outputs"):
         widths = {k: int(o.shape[-1]) for k, o in zip(model.output_names, model.outputs)}
         first = int(model.outputs[0].shape[-1])
