@@ -391,6 +391,77 @@ def senet(batch=32, hw=32):
     return model, tf.TensorSpec((batch, hw, hw, 3)), tf.TensorSpec((batch,), tf.int32)
 
 
+def fpn(batch=8, hw=64):
+    """A feature pyramid: strided Conv2D-BatchNorm stages, a nearest-upsampled top-down add, a
+    Conv2DTranspose joined to the first stage by concatenation, LayerNorm, per-pixel classes,
+    AdamW."""
+    import keras
+    import tensorflow as tf
+
+    L = keras.layers
+
+    def stage(h, f, s):
+        return L.ReLU()(L.BatchNormalization()(L.Conv2D(f, 3, strides=s, padding="same")(h)))
+
+    inp = keras.Input((hw, hw, 3))
+    c1 = stage(inp, 16, 1)
+    c2 = stage(c1, 32, 2)
+    c3 = L.Dropout(0.2)(stage(c2, 64, 2))
+    p2 = L.Add()([L.UpSampling2D()(L.Conv2D(32, 1)(c3)), L.Conv2D(32, 1)(c2)])
+    p1 = L.Conv2DTranspose(16, 3, strides=2, padding="same")(p2)
+    p1 = L.BatchNormalization()(L.Concatenate()([p1, c1]))
+    p1 = L.LayerNormalization()(L.Conv2D(16, 3, padding="same", activation="elu")(p1))
+    model = keras.Model(inp, L.Conv2D(4, 1)(p1), name="fpn")
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  optimizer=keras.optimizers.AdamW(1e-3))
+    return model, tf.TensorSpec((batch, hw, hw, 3)), tf.TensorSpec((batch, hw, hw), tf.int32)
+
+
+def conv3d(batch=8, frames=8, hw=32):
+    """A video net: Conv3D with BatchNorm and Dropout, a residual add, MaxPooling3D, a
+    concatenated skip, global average pooling."""
+    import keras
+    import tensorflow as tf
+
+    L = keras.layers
+
+    def block(h, f):
+        return L.ReLU()(L.BatchNormalization()(L.Conv3D(f, 3, padding="same")(h)))
+
+    inp = keras.Input((frames, hw, hw, 3))
+    h = block(inp, 16)
+    h = L.MaxPooling3D(2)(L.Add()([h, L.Dropout(0.2)(block(h, 16))]))
+    h = L.Concatenate()([h, block(h, 32)])
+    model = keras.Model(inp, L.Dense(5)(L.GlobalAveragePooling3D()(h)), name="conv3d")
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  optimizer="adam")
+    return model, tf.TensorSpec((batch, frames, hw, hw, 3)), tf.TensorSpec((batch,), tf.int32)
+
+
+def gptmini(batch=16, steps=128, vocab=500, dim=64, heads=4, depth=3):
+    """A causal language model: token and position Embeddings, pre-norm blocks of causal
+    MultiHeadAttention (attention Dropout) and a GELU MLP with Dropout, residual adds,
+    BatchNorm before the per-token head; a label per token."""
+    import keras
+    import tensorflow as tf
+
+    L = keras.layers
+    inp = keras.Input((steps,), dtype="int32")
+    pos = L.Embedding(steps, dim)(keras.ops.arange(steps)[None, :] * keras.ops.ones_like(inp))
+    h = L.Add()([L.Embedding(vocab, dim)(inp), pos])
+    for _ in range(depth):
+        a = L.LayerNormalization()(h)
+        a = L.MultiHeadAttention(heads, dim // heads, dropout=0.1)(a, a, use_causal_mask=True)
+        h = L.Add()([h, L.Dropout(0.1)(a)])
+        m = L.Dense(dim)(L.Dense(4 * dim, activation="gelu")(L.LayerNormalization()(h)))
+        h = L.Add()([h, L.Dropout(0.1)(m)])
+    model = keras.Model(inp, L.Dense(vocab)(L.BatchNormalization()(h)), name="gptmini")
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  optimizer="adam")
+    return model, tf.TensorSpec((batch, steps), tf.int32), tf.TensorSpec((batch, steps),
+                                                                           tf.int32)
+
+
 def xception(batch=32, hw=64):
     """A small Xception: SeparableConv2D (depthwise then pointwise) with BatchNorm, strided
     MaxPooling2D beside 1x1 strided projection shortcuts, SpatialDropout2D, a top Dropout."""
@@ -648,7 +719,8 @@ MODELS = {"resdrop": resdrop, "unet_bn": unet_bn, "densenet": densenet,
           "efficientnet": efficientnet, "mixer": mixer, "vit": vit,
           "twotower": twotower, "siamese": siamese, "decoder_gn": decoder_gn,
           "noisy": noisy, "bilstm": bilstm, "xception": xception, "tcn": tcn,
-          "textcnn": textcnn, "senet": senet,
+          "textcnn": textcnn, "senet": senet, "fpn": fpn, "conv3d": conv3d,
+          "gptmini": gptmini,
           "grouped": grouped, "regnet": regnet, "resmlp": resmlp,
           "subclassed": subclassed, "augment": augment, "mixed": mixed, **APPLICATIONS}
 
