@@ -548,7 +548,11 @@ def extract(model, *, input_spec, label_spec, loss=None, optimizer=None,
     else:
         costs, pinfo = _profile.flops_costs(traced, op_map)
     t3 = time.perf_counter()
-    workspace = measure_workspace(traced, op_map)
+    scratch = measure_workspace(traced, op_map)
+    inter = [b if b >= _MIN_WORKSPACE else 0 for b in analysis.intermediate]
+    # one node holds both while its node runs: the workspace node stands beside the node's
+    # inputs and output in the simulator, whichever of the two is larger
+    workspace = [max(a, b) for a, b in zip(scratch, inter)]
     graph_fields, op_map, costs = with_workspace_nodes(graph_fields, op_map, costs, workspace)
     t4 = time.perf_counter()
     batch = _first_dim(input_spec)
@@ -559,7 +563,8 @@ def extract(model, *, input_spec, label_spec, loss=None, optimizer=None,
             "dead_ops": len(op_map.dead_ops), "nodes": graph.n, "edges": len(graph.edges),
             "trace_seconds": t1 - t0, "group_seconds": t2 - t1, "cost_seconds": t3 - t2,
             "workspace_nodes": sum(1 for b in workspace if b),
-            "workspace_bytes": max(workspace, default=0), "workspace_seconds": t4 - t3,
+            "workspace_bytes": max(scratch, default=0),
+            "intermediate_bytes": max(inter, default=0), "workspace_seconds": t4 - t3,
             "cost_model": cost_model, "loops": forward_loops(traced, op_map),
             "loop_bytes": loop_memory(traced, op_map), **pinfo}
     return Extraction(graph=graph, op_map=op_map, traced=traced, info=info)
@@ -2160,7 +2165,65 @@ class _Analysis:
                       outputs=list(dict.fromkeys(outputs)), fixed_memory=fixed,
                       backward=backward, recomputable=recomputable, names=names)
         self.unfused_pairs = list(self.unfused)
+        self.intermediate = [self._intermediate(node_ops[v], counted) for v in range(n)]
         return op_map, fields
+
+    def _intermediate(self, members, counted) -> int:
+        """The most a node's own short-lived outputs hold at once while its ops run, in bytes.
+
+        The graph counts a node's buffers that other nodes read; what its ops make and read
+        among themselves is held too while it runs: the input gradient of a strided 1x1
+        shortcut that the node's AddN sums into another buffer, 4 MiB at siamese's batch 32,
+        made plans recomputing around it request 12% over their simulated peak. The ops run in
+        order; each output is a new buffer, except that an element-wise kernel
+        (``INPLACE_OPS``) forwards an input buffer of the node whose last reader it is and
+        whose size matches, as TensorFlow's kernels do when no other reader holds the input;
+        a buffer is freed after its last reader. A buffer that ends up as a counted output is
+        the node's memory already (a convolution's output that its ReLU forwards). This is a
+        model, not a measurement: the figure a profiled run gives depends on which buffers
+        the free-running executor happens to forward (a BatchNorm gradient's node held 4 MiB
+        in four of six runs and none in two), and the graph must be the same in every process
+        for a saved plan to match it.
+        """
+        ops, dev = self.ops, self.device
+        order = sorted(members)  # op creation order: topological
+        mine = set(order)
+        outs = {(j, k): b for j in order if not self.view[j]
+                for k, b in enumerate(self.out_bytes[j])}
+        left = {r: {c for c in self.readers.get(r, ()) if c in mine} for r in outs}
+        phys, forwarded, events = {}, set(), []
+        for j in order:
+            if self.view[j]:
+                continue
+            roots = [self.buf.get(ik) for ik in self.inputs[j]]
+            donors = [r for r in dict.fromkeys(roots) if r in outs and left[r] == {j}
+                      and r not in forwarded] if ops[j].type in INPLACE_OPS else []
+            for k, b in enumerate(self.out_bytes[j]):
+                d = next((r for r in donors if outs[r] == b), None)
+                if d is not None:
+                    donors.remove(d)
+                    forwarded.add(d)
+                    phys[(j, k)] = phys[d]
+                else:
+                    phys[(j, k)] = (j, k)
+                    events.append((1, (j, k)))
+            events.append((0, None))  # the op's outputs and inputs are held together here
+            for r in dict.fromkeys(roots):
+                if r in left and j in left[r]:
+                    left[r].discard(j)
+                    if not left[r] and r not in forwarded:
+                        events.append((-1, phys[r]))
+            for k in range(len(self.out_bytes[j])):
+                if not left[(j, k)] and (j, k) not in counted:
+                    events.append((-1, phys[(j, k)]))  # read by no op: freed at once
+        kept = {phys[r] for r in outs if r in counted}
+        live = peak = 0
+        for kind, p in events:
+            if kind == 0:
+                peak = max(peak, live)
+            elif p not in kept:
+                live += kind * counted_bytes(outs[p], dev)
+        return peak
 
 
 def _topological(ops) -> list:
