@@ -455,3 +455,27 @@ def test_tradeoff_on_a_zoo_model_writes_png_and_valid_points(tmp_path):
     table = (tmp_path / "curve.md").read_text()
     assert "| 100% | 0.00 |" in table
     assert "moccasin" in table
+
+
+def test_heldout_bench_table_says_when_the_first_call_was_refused():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_heldout", os.path.join(ROOT, "tools", "bench_heldout.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    mib = 2**20
+    row = {"fraction": 0.6, "budget": 10 * mib, "status": "feasible", "strategy": "auto",
+           "simulated": 8 * mib, "verified": 9 * mib, "fresh": 9 * mib, "after_fit": 9 * mib,
+           "fragmented": 9.5 * mib, "grad_err": 0.0, "bn_err": 0.0, "fit_loss_finite": True,
+           "seconds": 1.0}
+    results = [{"model": "m", "batch": 8, "baseline_peak": 16 * mib, "rows": [row]}]
+    # the first-call process's optimize refused its budget: that is its answer, not an error
+    text = bench.table(results, [{"model": "m", "fraction": 0.6, "budget": 10 * mib,
+                                  "baseline_peak": 16 * mib, "refused": 11 * mib}])
+    cells = [c.strip() for c in text.splitlines()[-1].split("|")]
+    assert cells[13] == "refused" and cells[14] == "0.95"
+    text = bench.table(results, [{"model": "m", "fraction": 0.6, "budget": 10 * mib,
+                                  "baseline_peak": 16 * mib, "first_call": 10.4 * mib}])
+    cells = [c.strip() for c in text.splitlines()[-1].split("|")]
+    assert cells[13] == "1.04" and cells[14] == "1.04 (slack)"

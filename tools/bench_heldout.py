@@ -916,8 +916,13 @@ def first_call_case(name, frac, time_limit):
         measure_step_peak(ref.function, x, y, variables=ref.variables)["step_peak_bytes"]
         for _ in range(3)))
     budget = int(frac * base)
-    step = tf_remat.optimize(model, budget_bytes=budget, input_spec=xs, label_spec=ys,
-                             time_limit=time_limit, verbose=0)
+    try:
+        step = tf_remat.optimize(model, budget_bytes=budget, input_spec=xs, label_spec=ys,
+                                 time_limit=time_limit, verbose=0)
+    except tf_remat.InfeasibleBudgetError as err:
+        # a refusal is this history's answer, as in run_case: a row, not a traceback
+        return {"model": name, "fraction": frac, "budget": budget, "baseline_peak": base,
+                "refused": int(err.min_feasible) if err.min_feasible else None}
     m = measure_step_peak(step.rewritten, x, y, variables=step.rewritten.traced.variables,
                           warmup=0)
     return {"model": name, "fraction": frac, "budget": budget, "baseline_peak": base,
@@ -934,6 +939,7 @@ def table(results, firsts) -> str:
              "worst/budget | grad err | BN stats err | fit | solve+verify s |",
              "|" + "---|" * 18]
     first = {(f["model"], f["fraction"]): f for f in firsts if "first_call" in f}
+    refused = {(f["model"], f["fraction"]) for f in firsts if "refused" in f}
     for res in results:
         if "error" in res:
             lines.append(f"| {res['model']} | | error: {res['error'][:120]} |" + " |" * 15)
@@ -953,7 +959,8 @@ def table(results, firsts) -> str:
             worst = max(cols)
             flag = "" if worst <= 1.0 else (" (slack)" if worst <= 1.05 else " **over**")
             cells = " | ".join(f"{c:.2f}" for c in cols[:4])
-            fc = f"{cols[4]:.2f}" if f is not None else "n/a"
+            fc = (f"{cols[4]:.2f}" if f is not None else
+                  "refused" if (res["model"], r["fraction"]) in refused else "n/a")
             bn = "n/a" if r["bn_err"] is None else f"{r['bn_err']:.1e}"
             lines.append(
                 f"{head} {r['status']} | {r['strategy']} | {r['simulated'] / MIB:.0f} | "
