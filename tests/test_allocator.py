@@ -118,3 +118,33 @@ def test_replay_counts_a_reused_chunk_whole():
 def test_replay_ignores_frees_of_memory_from_before_the_step():
     out = replay([(False, "weights", 0), (True, "a", MIB), (False, "a", 0)])
     assert out == {"requested_peak_bytes": MIB, "held_peak_bytes": MIB}
+
+
+def test_the_allocator_benchmark_replays_a_plans_buffers_as_the_simulator_counts_them():
+    """tools/bench_allocator.py's model of a plan: each node's buffers allocated at its compute
+    and freed at its free; the bytes requested peak where the simulator's peak is."""
+    import importlib.util
+    import os
+    import types
+
+    from tf_remat.graph import Graph
+    from tf_remat.plan import make_plan
+    from tf_remat.solvers.baselines import checkpoint_all
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location(
+        "bench_allocator", os.path.join(root, "tools", "bench_allocator.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    # a diamond; node 1 has two buffers, node 3 none listed (a workspace node: one request)
+    g = Graph(cost=(1, 1, 1, 1, 1), memory=(4096, 3072, 2048, 1024, 512),
+              edges=((0, 1), (0, 2), (1, 3), (2, 3), (3, 4)), fixed_memory=100)
+    om = types.SimpleNamespace(buffers=(((("a", 4096),), (("b", 1024), ("c", 2048)),
+                                         (("d", 2048),), (), (("e", 512),))))
+    plan = make_plan(g, checkpoint_all(g, 10**9), 10**9)
+    events = bench.plan_events(g, om, plan)
+    assert sum(1 for e in events if e[0]) == 6
+    assert sorted(e[2] for e in events if e[0]) == [512, 1024, 1024, 2048, 2048, 4096]
+    out = replay(events)
+    assert out["requested_peak_bytes"] == plan.peak_memory - g.fixed_memory
+    assert out["held_peak_bytes"] >= out["requested_peak_bytes"]

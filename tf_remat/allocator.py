@@ -20,7 +20,10 @@ and 55.4 MiB: the step's own pattern costs 10%, the pool's history up to 30% mor
 history changes from call to call. That is why ``optimize`` verifies a plan by measuring it in
 several allocator layouts rather than predicting its held peak. (A replay of a plan's nodes,
 one request per node, was tried as a predictor and missed the profiled held peak by -8% and
-+11% on two bn_cnn plans: TensorFlow makes several requests per node, outputs and scratch.)
++11% on two bn_cnn plans: TensorFlow makes several requests per node, outputs and scratch.
+A replay of each node's buffers ranks plans by their measured peak no better than the simulated
+peak does, and one plan's measured peak moves by up to 35% with the history alone:
+``benchmarks/results/allocator.md``, ``tools/bench_allocator.py``.)
 
 Example:
     >>> m = BFCModel()
