@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 
 # the MILP on the graph's own order: deterministic, and seconds on these graphs (the greedy
 # baselines stall at ~70% of skip_cnn's step once no kernel scratch space pads it)
-FAST = dict(strategy="checkmate-milp", cost_model="flops", verbose=0, time_limit=20)
+FAST = dict(strategy="checkmate-milp", cost_model="flops", verbose=0, time_limit=10)
 
 
 def cnn():
