@@ -675,14 +675,23 @@ def test_profile_runs_nodes_fed_by_shape_arithmetic(tmp_path, monkeypatch):
 
 
 def test_profiled_step_time_is_plausible(monkeypatch, tmp_path):
-    monkeypatch.setenv("TF_REMAT_CACHE", str(tmp_path / "cache"))
     from tf_remat.extract import extract, measure_step
 
     model, shape = small_cnn()
-    ex = extract(model, input_spec=tf.TensorSpec(shape),
-                 label_spec=tf.TensorSpec((shape[0],), tf.int32), verbose=0)
-    measured = measure_step(ex.traced, runs=5)["step_seconds"]
-    assert 0.5 * measured < ex.graph.total_cost < 2.0 * measured
+    # the profile and the step are timed seconds apart on a shared machine, and a burst of
+    # load on either moves the ratio (one CI run on 2 cores: 71 ms profiled for a 33 ms step,
+    # in range in every run before it): up to three fresh profiles, each against a fresh
+    # measurement; a unit or counting error is off in every one
+    ratios = []
+    for attempt in range(3):
+        monkeypatch.setenv("TF_REMAT_CACHE", str(tmp_path / f"cache{attempt}"))
+        ex = extract(model, input_spec=tf.TensorSpec(shape),
+                     label_spec=tf.TensorSpec((shape[0],), tf.int32), verbose=0)
+        measured = measure_step(ex.traced, runs=5)["step_seconds"]
+        ratios.append(ex.graph.total_cost / measured)
+        if 0.5 < ratios[-1] < 2.0:
+            break
+    assert 0.5 < ratios[-1] < 2.0, ratios
 
 
 # --------------------------------------------------------------------- API, zoo, CLI
