@@ -54,10 +54,9 @@ def plan_events(graph, op_map, plan):
 
 
 def _spearman(a, b) -> float:
-    import numpy as np
+    from scipy.stats import spearmanr
 
-    ra, rb = np.argsort(np.argsort(a)), np.argsort(np.argsort(b))
-    return float(np.corrcoef(ra, rb)[0, 1]) if len(a) > 2 else float("nan")
+    return float(spearmanr(a, b).statistic)  # ties share their mean rank
 
 
 def run(name, fractions, time_limit):
