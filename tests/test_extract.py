@@ -592,8 +592,12 @@ def test_rnn_loop_memory_is_counted(layer):
     unrolled, there is no loop at all. Measured: the step rewritten in its own order, which
     runs loops one iteration at a time; Keras's runs up to 32 at once, and how far they run
     ahead depends on the machine's load (on a loaded machine the SimpleRNN's plain step
-    measured more than 1/0.85 of the simulated peak)."""
-    from tf_remat.api import measure_step_peak
+    measured more than 1/0.85 of the simulated peak). What is compared is the peak of the
+    bytes its kernels request, the quantity the simulator models: the allocator's chunks
+    around this 2 MiB step held 1.01-1.27 times it, with the history of the process (a
+    full-suite CI run measured 1.23 times in all five ballast layouts), while the requests
+    came to 0.998 of it in every run here."""
+    from tf_remat.api import step_allocations
     from tf_remat.extract import extract
     from tf_remat.rewrite import rewrite
     from tf_remat.solvers import solve
@@ -613,19 +617,19 @@ def test_rnn_loop_memory_is_counted(layer):
             plan = solve(ex.graph, ex.graph.no_remat_peak, "checkpoint-all")
             step = rewrite(ex.traced, ex.graph, ex.op_map, plan)
             x = tf.random.stateless_normal((32, 32, 16), seed=(1, 2))
-            # runs in one allocation history measure alike, so histories are what is sampled
-            # (as measured_peak_layouts does): a full-suite run measured this 2 MiB step at
-            # 1.25x its simulated peak in the one history it had, the allocator's chunks
-            big = max(ex.graph.memory)
-            measured = min(measure_step_peak(
-                step.function, x, tf.zeros((32,), tf.int32), variables=ex.traced.variables,
-                ballast=[int(f * big) for f in (0.0, 0.3, 0.6, 1.0, 1.4)])["layouts"])
+            y = tf.zeros((32,), tf.int32)
+            got = step_allocations(step.function, x, y, variables=ex.traced.variables)
+            batch = sum(int(np.prod(t.shape)) * t.dtype.size for t in (x, y))
+            measured = got["requested_peak_bytes"] + got["owned_bytes"] + batch
     assert infos[False]["loops"] == [] and infos[True]["loops"] == []
     (name, kept), = infos[False]["loop_bytes"].items()
     # at least each of the 32 steps' state, (32, 128) float32 (an LSTM keeps 4 gates more)
     assert layer.lower()[:4] in name.replace("_", "") and kept >= 32 * 32 * 128 * 4
     assert infos[True]["loop_bytes"] == {}
-    assert 0.85 * measured <= graphs[False].no_remat_peak <= 1.15 * measured
+    # the simulator rounds buffers to 256 bytes and models the small-allocation pool: a few
+    # percent either way, where an uncounted or thrice-counted list is a third or 1.45 times
+    assert 0.92 * measured <= graphs[False].no_remat_peak <= 1.08 * measured, (
+        graphs[False].no_remat_peak, measured)
 
 
 # --------------------------------------------------------------------- profiling
