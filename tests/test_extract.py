@@ -313,12 +313,24 @@ def test_predicted_peak_matches_tensorflow(name):
     plan = solve(g, g.no_remat_peak, "checkpoint-all")
     assert plan.peak_memory == g.no_remat_peak
     step = rewrite(ex.traced, g, ex.op_map, plan)
+    # what the simulator models is what the kernels request: 0.997-0.998 of it on small_cnn
+    # and res_block, 0.94 on the mlp (a conservative 2 MiB), the same in every run
+    from tf_remat.api import step_allocations
+    from tf_remat.extract import _random_like
+
+    x = _random_like(ex.traced.input_spec, seed=1)
+    y = _random_like(ex.traced.label_spec, seed=2, labels=10)
+    got = step_allocations(step, x, y, variables=ex.traced.variables)
+    requested = got["requested_peak_bytes"] + got["owned_bytes"] + sum(
+        int(np.prod(t.shape)) * t.dtype.size for t in tf.nest.flatten((x, y)))
+    assert 0.9 * g.no_remat_peak <= requested <= 1.03 * g.no_remat_peak, \
+        (g.no_remat_peak, requested)
+    # what the allocator holds is at least the requests: its whole-chunk rounding moves it
+    # with the process's history (late in a full-suite run, all five layouts of an earlier
+    # version of this test measured small_cnn 19% over, which alone measures within 1-4%)
     peaks = [p + g.fixed_memory for p in measured_peak_layouts(ex, step=step)]
-    # a kernel's scratch buffer may be handed any free chunk under twice its size (without
-    # oneDNN, ~27 MiB for a filter-gradient convolution; with oneDNN, ~0)
     scratch = ex.info["workspace_bytes"]
-    assert abs(g.no_remat_peak - min(peaks)) <= 0.15 * min(peaks) + scratch, \
-        (g.no_remat_peak, peaks, scratch)
+    assert min(peaks) >= 0.85 * g.no_remat_peak, (g.no_remat_peak, peaks)
     # the allocator's rounding only ever adds, and less than the request each time: a chunk is
     # handed out whole only when it is under twice the request (one full-suite run measured
     # +63% in its worst layout)
