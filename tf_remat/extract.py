@@ -683,8 +683,9 @@ def measure_workspace(traced: TracedStep, op_map: OpMap, *, x=None, y=None) -> l
     value of the graph; but it is memory the step holds while the node runs, and some kernels
     need a lot: without oneDNN, TensorFlow's CPU Conv2DBackpropFilter takes a ~30 MB im2col
     buffer whatever the layer's size; on a GPU, cuDNN takes convolution workspaces. The
-    figure is the most a node's ops hold at once, rounded as the allocator counts (0 under
-    1 MiB: see ``_MIN_WORKSPACE``). All zeros when TensorFlow keeps no memory statistics for
+    figure is the most a node's ops can hold at once: each op's own most, summed over the
+    heaviest set of the node's ops none of which waits for another (:func:`_concurrent_most`),
+    rounded as the allocator counts (0 under 1 MiB: see ``_MIN_WORKSPACE``). All zeros when TensorFlow keeps no memory statistics for
     the device or the profiler is busy.
     """
     kind = current_device_kind()
@@ -714,20 +715,67 @@ def measure_workspace(traced: TracedStep, op_map: OpMap, *, x=None, y=None) -> l
     # from one run did not fit the next. The measured check sees it when a plan's order makes it
     updates = {op.name for op in traced.function.graph.get_operations()
                if _VARIABLE_UPDATE_RE.match(op.type)}
-    live, held = {}, [0] * op_map.n
+    # per op, the most scratch it holds at once; a node's figure is then what its ops can hold
+    # together. The rewritten step orders nodes, not the ops inside one (chain="node"), so two
+    # of a node's kernels that do not depend on each other may run at once: without oneDNN,
+    # the filter gradients of a shared layer's two calls (22 and 10 MiB of scratch) did in a
+    # rewritten siamese step and not in the profiled run, whose figure was the larger alone
+    live, held, per_op = {}, {}, {}
     for _, alloc, st in events:
+        o = st.get("tf_op")
         if alloc:
-            v = node_of.get(st.get("tf_op"))
-            if v is None or st.get("region_type") != "temp" or st.get("tf_op") in updates:
+            if node_of.get(o) is None or st.get("region_type") != "temp" or o in updates:
                 continue
             b = counted_bytes(int(st.get("requested_bytes", 0)), kind)
-            live[st.get("addr")] = (v, b)
-            held[v] += b
-            ws[v] = max(ws[v], held[v])
+            live[st.get("addr")] = (o, b)
+            held[o] = held.get(o, 0) + b
+            per_op[o] = max(per_op.get(o, 0), held[o])
         elif st.get("addr") in live:
-            v, b = live.pop(st.get("addr"))
-            held[v] -= b
+            o, b = live.pop(st.get("addr"))
+            held[o] -= b
+    by_node = {}
+    for o, b in per_op.items():
+        by_node.setdefault(node_of[o], {})[o] = b
+    for v, temps in by_node.items():
+        ws[v] = _concurrent_most(temps, set(op_map.nodes[v]), traced.function.graph)
     return [b if b >= _MIN_WORKSPACE else 0 for b in ws]
+
+
+#: a node with more scratch-taking ops than this counts them all at once
+_ANTICHAIN_OPS = 12
+
+
+def _concurrent_most(temps: dict, members: set, graph) -> int:
+    """The most of ``temps`` (op name -> bytes) that ops of one node can hold at once: the
+    heaviest set of them none of which depends on another through the node's ops (an
+    antichain). Orders through ops outside the node are not looked for, so the figure errs
+    high, never low."""
+    ops = sorted(temps)
+    if len(ops) == 1:
+        return temps[ops[0]]
+    if len(ops) > _ANTICHAIN_OPS:
+        return sum(temps.values())
+    by_name = {o: graph.get_operation_by_name(o) for o in members}
+    below = {}
+    for o in ops:
+        seen, todo = set(), [o]
+        while todo:
+            for r in _consumers(by_name[todo.pop()]):
+                if r.name in members and r.name not in seen:
+                    seen.add(r.name)
+                    todo.append(r.name)
+        below[o] = seen
+    best = 0
+    for mask in range(1, 1 << len(ops)):
+        chosen = [o for i, o in enumerate(ops) if mask >> i & 1]
+        if all(b not in below[a] for a in chosen for b in chosen):
+            best = max(best, sum(temps[o] for o in chosen))
+    return best
+
+
+def _consumers(op):
+    """The ops that read an output of ``op`` or wait for it by a control edge."""
+    return [c for t in op.outputs for c in t.consumers()] + list(op._control_outputs)  # noqa: SLF001
 
 
 def variable_bytes(var, device_kind: str) -> int:
