@@ -159,8 +159,12 @@ def test_optimized_step_trains_like_keras(builder, fraction):
 def test_gradients_match_the_plain_gradients():
     model, xs, ys = fresh(cnn)
     _, base, scratch = baseline_peak(model, xs, ys)
-    step = tf_remat.optimize(model, budget_bytes=budget_at(0.65, base, scratch), input_spec=xs,
+    # the gradients are the subject, tight budgets are the neighbours': at 0.65, a suite run on
+    # a CPU without oneDNN found no plan measuring within the budget in six attempts (84.32 MiB
+    # for 84.28, the allocator's chunks 24 MiB over the plan); at 0.75 the plan recomputes too
+    step = tf_remat.optimize(model, budget_bytes=budget_at(0.75, base, scratch), input_spec=xs,
                              label_spec=ys, attach=False, **FAST)
+    assert step.report["recomputed_nodes"] > 0
     x, y = (tf.constant(a) for a in data(xs, ys, seed=2))
     g1, g2 = plain_and_step_gradients(model, xs, ys, step, x, y)
     assert len(g2) == len(model.trainable_variables)
