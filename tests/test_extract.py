@@ -828,17 +828,24 @@ def test_a_nodes_intermediate_outputs_are_counted_while_it_runs(monkeypatch):
     within the simulated peak."""
     from tf_remat import solve
     from tf_remat.api import step_allocations
-    from tf_remat.extract import extract, snapshot_variables
+    from tf_remat.extract import extract, onednn_enabled, snapshot_variables
     from tf_remat.rewrite import rewrite
 
-    monkeypatch.setenv("TF_REMAT_CONV_GRADIENTS", "tensorflow")
+    # TensorFlow's convolution gradients where oneDNN runs them (no scratch space); without
+    # oneDNN the default's products, since TensorFlow's kernels there take 10-22 MiB of
+    # scratch each, and in one full-suite run in three two of them, in nodes the chain
+    # orders, were live at once (51.5 MiB requested of a 35.8 MiB plan; not seen alone)
+    if onednn_enabled():
+        monkeypatch.setenv("TF_REMAT_CONV_GRADIENTS", "tensorflow")
     keras.utils.set_random_seed(0)
     model, xs, ys = _siamese(batch=32, hw=32)
     ex = extract(model, input_spec=xs, label_spec=ys, cost_model="flops", verbose=0)
     g = ex.graph
     assert ex.info["intermediate_bytes"] >= 1 << 20
     budget = g.budget_lower_bound + (g.no_remat_peak - g.budget_lower_bound) // 10
-    plan = solve(g, budget=budget, strategy="checkmate-milp", time_limit=30)
+    # (the portfolio: without oneDNN the graph has the products' nodes too, where the MILP
+    # found no plan in 30 s)
+    plan = solve(g, budget=budget, strategy="auto", time_limit=30)
     assert plan.peak_memory <= budget
     step = rewrite(ex.traced, g, ex.op_map, plan)
     rng = np.random.default_rng(0)
