@@ -299,6 +299,16 @@ def measured_peak_layouts(ex, fractions=(0.0, 0.15, 0.3, 0.45, 0.6, 0.8, 1.0, 1.
     return [p - m["owned_bytes"] for p in m["layouts"]]
 
 
+def requested_peak(step, x, y, variables):
+    """The peak of the bytes ``step``'s kernels request (the quantity the simulator models),
+    with the variables and the batch, which the step does not allocate, added."""
+    from tf_remat.api import step_allocations
+
+    got = step_allocations(step, x, y, variables=variables)
+    return got["requested_peak_bytes"] + got["owned_bytes"] + sum(
+        int(np.prod(t.shape)) * t.dtype.size for t in tf.nest.flatten((x, y)))
+
+
 @pytest.mark.skipif(bool(tf.config.list_logical_devices("GPU")), reason="CPU memory model")
 @pytest.mark.parametrize("name", list(BUILDERS))
 def test_predicted_peak_matches_tensorflow(name):
@@ -315,14 +325,11 @@ def test_predicted_peak_matches_tensorflow(name):
     step = rewrite(ex.traced, g, ex.op_map, plan)
     # what the simulator models is what the kernels request: 0.997-0.998 of it on small_cnn
     # and res_block, 0.94 on the mlp (a conservative 2 MiB), the same in every run
-    from tf_remat.api import step_allocations
     from tf_remat.extract import _random_like
 
     x = _random_like(ex.traced.input_spec, seed=1)
     y = _random_like(ex.traced.label_spec, seed=2, labels=10)
-    got = step_allocations(step, x, y, variables=ex.traced.variables)
-    requested = got["requested_peak_bytes"] + got["owned_bytes"] + sum(
-        int(np.prod(t.shape)) * t.dtype.size for t in tf.nest.flatten((x, y)))
+    requested = requested_peak(step, x, y, ex.traced.variables)
     assert 0.9 * g.no_remat_peak <= requested <= 1.03 * g.no_remat_peak, \
         (g.no_remat_peak, requested)
     # what the allocator holds is at least the requests: its whole-chunk rounding moves it
@@ -609,7 +616,6 @@ def test_rnn_loop_memory_is_counted(layer):
     around this 2 MiB step held 1.01-1.27 times it, with the history of the process (a
     full-suite CI run measured 1.23 times in all five ballast layouts), while the requests
     came to 0.998 of it in every run here."""
-    from tf_remat.api import step_allocations
     from tf_remat.extract import extract
     from tf_remat.rewrite import rewrite
     from tf_remat.solvers import solve
@@ -629,10 +635,8 @@ def test_rnn_loop_memory_is_counted(layer):
             plan = solve(ex.graph, ex.graph.no_remat_peak, "checkpoint-all")
             step = rewrite(ex.traced, ex.graph, ex.op_map, plan)
             x = tf.random.stateless_normal((32, 32, 16), seed=(1, 2))
-            y = tf.zeros((32,), tf.int32)
-            got = step_allocations(step.function, x, y, variables=ex.traced.variables)
-            batch = sum(int(np.prod(t.shape)) * t.dtype.size for t in (x, y))
-            measured = got["requested_peak_bytes"] + got["owned_bytes"] + batch
+            measured = requested_peak(step.function, x, tf.zeros((32,), tf.int32),
+                                      ex.traced.variables)
     assert infos[False]["loops"] == [] and infos[True]["loops"] == []
     (name, kept), = infos[False]["loop_bytes"].items()
     # at least each of the 32 steps' state, (32, 128) float32 (an LSTM keeps 4 gates more)
@@ -827,7 +831,6 @@ def test_a_nodes_intermediate_outputs_are_counted_while_it_runs(monkeypatch):
     now holds it while its node runs, so what the rewritten step's kernels request stays
     within the simulated peak."""
     from tf_remat import solve
-    from tf_remat.api import step_allocations
     from tf_remat.extract import extract, onednn_enabled, snapshot_variables
     from tf_remat.rewrite import rewrite
 
@@ -852,10 +855,8 @@ def test_a_nodes_intermediate_outputs_are_counted_while_it_runs(monkeypatch):
     x = [tf.constant(rng.standard_normal(s.shape), tf.float32) for s in xs]
     y = tf.constant(rng.integers(0, 2, ys.shape), tf.int32)
     before = snapshot_variables(ex.traced.variables)
-    got = step_allocations(step, x, y, variables=ex.traced.variables)
+    requested = requested_peak(step, x, y, ex.traced.variables)
     assert all(np.array_equal(a, v.numpy()) for a, v in zip(before, ex.traced.variables))
-    batch = sum(int(np.prod(t.shape)) * t.dtype.size for t in x + [y])
-    requested = got["requested_peak_bytes"] + got["owned_bytes"] + batch
     # the simulator counts 256-byte-rounded buffers and the allocator's small-pool cutoff:
     # what the kernels request is at most a few percent off either way, never a whole buffer
     assert requested <= 1.03 * plan.peak_memory, (requested / 2**20, plan.peak_memory / 2**20)

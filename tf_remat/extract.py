@@ -685,8 +685,8 @@ def measure_workspace(traced: TracedStep, op_map: OpMap, *, x=None, y=None) -> l
     buffer whatever the layer's size; on a GPU, cuDNN takes convolution workspaces. The
     figure is the most a node's ops can hold at once: each op's own most, summed over the
     heaviest set of the node's ops none of which waits for another (:func:`_concurrent_most`),
-    rounded as the allocator counts (0 under 1 MiB: see ``_MIN_WORKSPACE``). All zeros when TensorFlow keeps no memory statistics for
-    the device or the profiler is busy.
+    rounded as the allocator counts (0 under 1 MiB: see ``_MIN_WORKSPACE``). All zeros when
+    TensorFlow keeps no memory statistics for the device or the profiler is busy.
     """
     kind = current_device_kind()
     ws = [0] * op_map.n
