@@ -478,3 +478,11 @@ def test_heldout_bench_table_says_when_the_first_call_was_refused():
                                   "baseline_peak": 16 * mib, "first_call": 10.4 * mib}])
     cells = [c.strip() for c in text.splitlines()[-1].split("|")]
     assert cells[13] == "1.04" and cells[14] == "1.04 (slack)"
+    # the model's rounding figure, beside the gradient error; every row as wide as the header
+    results[0]["rounding"] = 1.2e-4
+    results.append({"model": "x", "error": "exit code 1"})
+    results.append({**results[0], "rows": [{**row, "status": "infeasible",
+                                            "min_feasible": 12 * mib}]})
+    lines = bench.table(results, []).splitlines()
+    assert [c.strip() for c in lines[2].split("|")][16] == "1.2e-04"
+    assert len({line.count("|") for line in lines}) == 1, lines

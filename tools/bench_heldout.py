@@ -773,6 +773,36 @@ def _data(xs, ys, model, n=None, seed=0):
     return x, tf.nest.map_structure(label, ys)
 
 
+def _rounding_spread(gref, x, y) -> float:
+    """How far the plain step's gradients move when each input value moves by one float32
+    rounding step (a relative 2**-23, random sign): the scale of float32 rounding in this
+    model's gradients, against which ``grad err`` reads. A rewritten step sums in other orders
+    wherever Grappler rewrites its copies otherwise than the plain step's ops, and a ReLU or
+    BatchNorm can turn those last bits into gradients 1e-4 apart (``grouped``); an error far
+    above this figure would be a wrong value, not rounding."""
+    import numpy as np
+    import tensorflow as tf
+
+    saved = [np.array(v.numpy(), copy=True) for v in gref.variables]
+
+    def grads(inputs):
+        try:  # the seed generators advance each call: the same dropout masks for both
+            return [t.numpy() for t in gref.function(inputs, y)[1:]]
+        finally:
+            for v, s in zip(gref.variables, saved):
+                v.assign(s)
+
+    def nudge(t):
+        if not t.dtype.is_floating:
+            return t
+        sign = tf.sign(tf.random.stateless_normal(t.shape, [7, 11], dtype=t.dtype))
+        return t * (1 + sign * np.finfo(t.dtype.as_numpy_dtype).eps / 2)
+
+    g1, g2 = grads(x), grads(tf.nest.map_structure(nudge, x))
+    scale = max(float(np.abs(g).max()) for g in g1)
+    return max(float(np.abs(a - b).max()) for a, b in zip(g1, g2)) / scale
+
+
 def _fragmented(step, x, y, big, seed=0):
     """The step's measured peak beside a dozen held tensors of odd sizes, every other freed.
 
@@ -821,6 +851,7 @@ def run_case(name, fractions, time_limit, plans=None, weighted=False):
     out = {"model": name, "batch": _batch(xs), "params": int(model.count_params()),
            "baseline_peak": base, "baseline_peaks": [r["step_peak_bytes"] for r in base_runs],
            "rows": []}
+    out["rounding"] = _rounding_spread(gref, x, yw)
     start = [np.array(v.numpy(), copy=True) for v in model.variables]
     for frac in fractions:
         budget = int(frac * base)
@@ -936,20 +967,20 @@ HISTORIES = ("verified", "fresh", "after_fit", "fragmented")
 def table(results, firsts) -> str:
     lines = ["| model | batch | plain peak MiB | budget | budget MiB | status | strategy | "
              "simulated MiB | verified | fresh | after fit | fragmented | first call | "
-             "worst/budget | grad err | BN stats err | fit | solve+verify s |",
-             "|" + "---|" * 18]
+             "worst/budget | grad err | rounding | BN stats err | fit | solve+verify s |",
+             "|" + "---|" * 19]
     first = {(f["model"], f["fraction"]): f for f in firsts if "first_call" in f}
     refused = {(f["model"], f["fraction"]) for f in firsts if "refused" in f}
     for res in results:
         if "error" in res:
-            lines.append(f"| {res['model']} | | error: {res['error'][:120]} |" + " |" * 15)
+            lines.append(f"| {res['model']} | | error: {res['error'][:120]} |" + " |" * 16)
             continue
         for r in res["rows"]:
             head = (f"| {res['model']} | {res['batch']} | {res['baseline_peak'] / MIB:.0f} | "
                     f"{100 * r['fraction']:.0f}% | {r['budget'] / MIB:.0f} |")
             if r["status"] == "infeasible":
                 lines.append(f"{head} infeasible (smallest reachable "
-                             f"{r['min_feasible'] / MIB:.0f} MiB) |" + " |" * 12)
+                             f"{r['min_feasible'] / MIB:.0f} MiB) |" + " |" * 13)
                 continue
             b = r["budget"]
             cols = [r[h] / b for h in HISTORIES]
@@ -962,9 +993,10 @@ def table(results, firsts) -> str:
             fc = (f"{cols[4]:.2f}" if f is not None else
                   "refused" if (res["model"], r["fraction"]) in refused else "n/a")
             bn = "n/a" if r["bn_err"] is None else f"{r['bn_err']:.1e}"
+            rnd = f"{res['rounding']:.1e}" if "rounding" in res else "n/a"
             lines.append(
                 f"{head} {r['status']} | {r['strategy']} | {r['simulated'] / MIB:.0f} | "
-                f"{cells} | {fc} | {worst:.2f}{flag} | {r['grad_err']:.1e} | {bn} | "
+                f"{cells} | {fc} | {worst:.2f}{flag} | {r['grad_err']:.1e} | {rnd} | {bn} | "
                 f"{'ok' if r['fit_loss_finite'] else 'NaN'} | {r['seconds']:.0f} |")
     return "\n".join(lines)
 
@@ -985,7 +1017,10 @@ NOTES = """\
   **worst/budget** is the largest; "(slack)" marks 1.00-1.05, within the check's 5% slack.
 * **grad err**: max |g_rewritten - g_plain| over all gradients over the largest gradient value;
   **BN stats err**: max |difference| of the BatchNorm moving statistics after one step of
-  each, over the largest statistic (float32 reassociation: ~1e-7 .. 1e-5 expected). **fit**:
+  each, over the largest statistic (float32 reassociation: ~1e-7 .. 1e-5 expected).
+  **rounding**: how far the plain step's gradients move (same measure as grad err) when every
+  input value moves by one float32 rounding step: the size of rounding in this model's
+  gradients, which a step that sums in another order can reach. **fit**:
   `model.fit` with the rewritten step gave finite losses.
 """
 
