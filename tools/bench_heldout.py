@@ -774,8 +774,9 @@ def _data(xs, ys, model, n=None, seed=0):
 
 
 def _rounding_spread(gref, x, y) -> float:
-    """How far the plain step's gradients move when each input value moves by one float32
-    rounding step (a relative 2**-23, random sign): the scale of float32 rounding in this
+    """How far the plain step's gradients move when the input values move by at most one
+    float32 rounding step (each times 1 + eps/2 with a random sign, which float32 makes one
+    unit in the last place down or no change): the scale of float32 rounding in this
     model's gradients, against which ``grad err`` reads. A rewritten step sums in other orders
     wherever Grappler rewrites its copies otherwise than the plain step's ops, and a ReLU or
     BatchNorm can turn those last bits into gradients 1e-4 apart (``grouped``); an error far
@@ -1019,7 +1020,8 @@ NOTES = """\
   **BN stats err**: max |difference| of the BatchNorm moving statistics after one step of
   each, over the largest statistic (float32 reassociation: ~1e-7 .. 1e-5 expected).
   **rounding**: how far the plain step's gradients move (same measure as grad err) when every
-  input value moves by one float32 rounding step: the size of rounding in this model's
+  input value moves by at most one float32 rounding step (about half of them by one unit in
+  the last place): the size of rounding in this model's
   gradients, which a step that sums in another order can reach. **fit**:
   `model.fit` with the rewritten step gave finite losses.
 """
