@@ -167,9 +167,11 @@ def auto(graph: Graph, budget: int, *, time_limit=None, seed: int = 0, progress=
     # stages reach budgets where FastSA's objective settles over the budget (InceptionV3's
     # 1717-node step: FastSA stops at 232-241 MiB for a 225 MiB budget, MOCCASIN fits it in
     # 26 s), and a plan over the budget is no plan
+    # (its first plans take seconds per thousand nodes before CP-SAT starts: 6-8 s each on a
+    # 2169-node graph, so a larger graph needs more time left)
     fits = best is not None and best["peak"] <= budget
-    if (not fixed_optimal and (n <= moccasin_nodes or not fits)
-            and deadline.left() > (1.0 if small else 5.0)):
+    need = 1.0 if small else 5.0 if n <= moccasin_nodes else 5.0 + 0.005 * n
+    if not fixed_optimal and (n <= moccasin_nodes or not fits) and deadline.left() > need:
         if fits:
             same = _keeps_order(graph, best["seq"])
             mopts = {"hint": best["seq"], "order": "fixed" if same else "hint"}
