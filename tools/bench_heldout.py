@@ -687,6 +687,109 @@ def augment(batch=32, hw=32):
     return model, tf.TensorSpec((batch, hw, hw, 3)), tf.TensorSpec((batch,), tf.int32)
 
 
+def _residual_cnn(name, optimizer, *, bn=None, head=None, batch=32, hw=32):
+    """A pre-activation residual CNN (BatchNorm, Dropout, 1x1 projections) with ``optimizer``
+    (a function making it), its BatchNorm made by ``bn``, and ``head`` applied before the
+    pooling: the same body under optimizers and layers the other models do not use."""
+    def build():
+        import keras
+        import tensorflow as tf
+
+        make_bn = bn or keras.layers.BatchNormalization
+        inp = keras.Input((hw, hw, 3))
+        h = keras.layers.Conv2D(32, 3, padding="same")(inp)
+        for width in (32, 64, 64):
+            r = keras.layers.Activation("relu")(make_bn()(h))
+            r = keras.layers.Conv2D(width, 3, padding="same")(r)
+            r = keras.layers.Activation("relu")(make_bn()(r))
+            r = keras.layers.Dropout(0.2)(r)
+            r = keras.layers.Conv2D(width, 3, padding="same")(r)
+            s = h if h.shape[-1] == width else keras.layers.Conv2D(width, 1)(h)
+            h = keras.layers.Add()([s, r])
+        if head is not None:
+            h = head(h)
+        h = keras.layers.GlobalAveragePooling2D()(h)
+        model = keras.Model(inp, keras.layers.Dense(10)(h), name=name)
+        model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      optimizer=optimizer())
+        return model, tf.TensorSpec((batch, hw, hw, 3)), tf.TensorSpec((batch,), tf.int32)
+
+    return build
+
+
+def _nested_head(h):
+    """A Sequential block inside the functional model (SpatialDropout2D, BatchNorm), bilinear
+    upsampling, a strided convolution back and a concatenation."""
+    import keras
+
+    block = keras.Sequential([keras.layers.SpatialDropout2D(0.1),
+                              keras.layers.Conv2D(64, 3, padding="same"),
+                              keras.layers.BatchNormalization(), keras.layers.ReLU()],
+                             name="block")
+    u = keras.layers.UpSampling2D(2, interpolation="bilinear")(block(h))
+    u = keras.layers.Conv2D(64, 3, strides=2, padding="same")(u)
+    return keras.layers.Concatenate()([h, u])
+
+
+def _attention_head(h):
+    """Dot-product self-attention over the 32x32 positions (a 128 MiB score matrix at batch
+    32), GaussianDropout, a residual LayerNormalization."""
+    import keras
+
+    s = keras.layers.Reshape((-1, h.shape[-1]))(h)
+    a = keras.layers.GaussianDropout(0.1)(keras.layers.Attention()([s, s]))
+    s = keras.layers.LayerNormalization()(keras.layers.Add()([s, a]))
+    return keras.layers.Reshape(tuple(h.shape[1:]))(s)
+
+
+def gru(batch=32, steps=64, features=32):
+    """A causal Conv1D with BatchNorm, a GRU with input dropout, a residual LayerNorm."""
+    import keras
+    import tensorflow as tf
+
+    inp = keras.Input((steps, features))
+    h = keras.layers.BatchNormalization()(keras.layers.Conv1D(64, 5, padding="causal")(inp))
+    r = keras.layers.GRU(64, return_sequences=True, dropout=0.1)(h)
+    h = keras.layers.LayerNormalization()(keras.layers.Add()([h, r]))
+    h = keras.layers.GlobalMaxPooling1D()(keras.layers.Dropout(0.2)(h))
+    model = keras.Model(inp, keras.layers.Dense(5)(h), name="gru")
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  optimizer="adam")
+    return model, tf.TensorSpec((batch, steps, features)), tf.TensorSpec((batch,), tf.int32)
+
+
+def _optimizers():
+    import keras
+
+    return {
+        "renorm": (lambda: keras.optimizers.SGD(0.01, momentum=0.9, clipnorm=1.0),
+                   dict(bn=lambda: keras.layers.BatchNormalization(renorm=True))),
+        "adafactor": (lambda: keras.optimizers.Adafactor(1e-3), {}),
+        "lion": (lambda: keras.optimizers.Lion(1e-4, global_clipnorm=1.0), {}),
+        "accum": (lambda: keras.optimizers.Adam(1e-3, gradient_accumulation_steps=2), {}),
+        "nested": (lambda: keras.optimizers.Nadam(1e-3), dict(head=_nested_head)),
+        "attn": (lambda: keras.optimizers.RMSprop(1e-3), dict(head=_attention_head)),
+    }
+
+
+def _variant(name):
+    """The residual CNN variant ``name`` (see :func:`_optimizers`), built when called (keras
+    is imported then, not when this script loads)."""
+    def build():
+        optimizer, kwargs = _optimizers()[name]
+        return _residual_cnn(name, optimizer, **kwargs)()
+
+    build.__doc__ = f"residual CNN variant {name!r}"
+    return build
+
+
+#: BatchNorm with renormalization under clipped SGD; Adafactor; Lion with a global clip;
+#: Adam accumulating gradients over 2 steps; a nested Sequential with bilinear upsampling
+#: under Nadam; self-attention under RMSprop
+VARIANTS = {name: _variant(name) for name in
+            ("renorm", "adafactor", "lion", "accum", "nested", "attn")}
+
+
 def _application(factory, hw, batch, optimizer):
     """A ``keras.applications`` model (weights=None) at a CPU-sized input and batch: sizes
     where activations, not the weights and optimizer slots, make up most of the step (at 64
@@ -722,7 +825,8 @@ MODELS = {"resdrop": resdrop, "unet_bn": unet_bn, "densenet": densenet,
           "textcnn": textcnn, "senet": senet, "fpn": fpn, "conv3d": conv3d,
           "gptmini": gptmini,
           "grouped": grouped, "regnet": regnet, "resmlp": resmlp,
-          "subclassed": subclassed, "augment": augment, "mixed": mixed, **APPLICATIONS}
+          "subclassed": subclassed, "augment": augment, "mixed": mixed, "gru": gru,
+          **VARIANTS, **APPLICATIONS}
 
 
 # --------------------------------------------------------------------- one case
