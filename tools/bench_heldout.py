@@ -688,14 +688,17 @@ def augment(batch=32, hw=32):
 
 
 def _residual_cnn(name, optimizer, *, bn=None, head=None, batch=32, hw=32):
-    """A pre-activation residual CNN (BatchNorm, Dropout, 1x1 projections) with ``optimizer``
-    (a function making it), its BatchNorm made by ``bn``, and ``head`` applied before the
-    pooling: the same body under optimizers and layers the other models do not use."""
+    """A pre-activation residual CNN (BatchNorm, Dropout, 1x1 projections) trained by
+    ``optimizer(keras)``, its BatchNorm layers made by ``bn(keras)``, ``head`` applied before
+    the pooling: one body under optimizers and layers the other models do not use (keras is
+    imported when the model is built, not when this script loads)."""
     def build():
         import keras
         import tensorflow as tf
 
-        make_bn = bn or keras.layers.BatchNormalization
+        def make_bn():
+            return bn(keras) if bn else keras.layers.BatchNormalization()
+
         inp = keras.Input((hw, hw, 3))
         h = keras.layers.Conv2D(32, 3, padding="same")(inp)
         for width in (32, 64, 64):
@@ -711,9 +714,10 @@ def _residual_cnn(name, optimizer, *, bn=None, head=None, batch=32, hw=32):
         h = keras.layers.GlobalAveragePooling2D()(h)
         model = keras.Model(inp, keras.layers.Dense(10)(h), name=name)
         model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      optimizer=optimizer())
+                      optimizer=optimizer(keras))
         return model, tf.TensorSpec((batch, hw, hw, 3)), tf.TensorSpec((batch,), tf.int32)
 
+    build.__doc__ = f"residual CNN variant {name!r}"
     return build
 
 
@@ -758,36 +762,19 @@ def gru(batch=32, steps=64, features=32):
     return model, tf.TensorSpec((batch, steps, features)), tf.TensorSpec((batch,), tf.int32)
 
 
-def _optimizers():
-    import keras
-
-    return {
-        "renorm": (lambda: keras.optimizers.SGD(0.01, momentum=0.9, clipnorm=1.0),
-                   dict(bn=lambda: keras.layers.BatchNormalization(renorm=True))),
-        "adafactor": (lambda: keras.optimizers.Adafactor(1e-3), {}),
-        "lion": (lambda: keras.optimizers.Lion(1e-4, global_clipnorm=1.0), {}),
-        "accum": (lambda: keras.optimizers.Adam(1e-3, gradient_accumulation_steps=2), {}),
-        "nested": (lambda: keras.optimizers.Nadam(1e-3), dict(head=_nested_head)),
-        "attn": (lambda: keras.optimizers.RMSprop(1e-3), dict(head=_attention_head)),
-    }
-
-
-def _variant(name):
-    """The residual CNN variant ``name`` (see :func:`_optimizers`), built when called (keras
-    is imported then, not when this script loads)."""
-    def build():
-        optimizer, kwargs = _optimizers()[name]
-        return _residual_cnn(name, optimizer, **kwargs)()
-
-    build.__doc__ = f"residual CNN variant {name!r}"
-    return build
-
-
 #: BatchNorm with renormalization under clipped SGD; Adafactor; Lion with a global clip;
 #: Adam accumulating gradients over 2 steps; a nested Sequential with bilinear upsampling
 #: under Nadam; self-attention under RMSprop
-VARIANTS = {name: _variant(name) for name in
-            ("renorm", "adafactor", "lion", "accum", "nested", "attn")}
+VARIANTS = {
+    "renorm": _residual_cnn("renorm", lambda k: k.optimizers.SGD(0.01, momentum=0.9, clipnorm=1.0),
+                            bn=lambda k: k.layers.BatchNormalization(renorm=True)),
+    "adafactor": _residual_cnn("adafactor", lambda k: k.optimizers.Adafactor(1e-3)),
+    "lion": _residual_cnn("lion", lambda k: k.optimizers.Lion(1e-4, global_clipnorm=1.0)),
+    "accum": _residual_cnn("accum",
+                           lambda k: k.optimizers.Adam(1e-3, gradient_accumulation_steps=2)),
+    "nested": _residual_cnn("nested", lambda k: k.optimizers.Nadam(1e-3), head=_nested_head),
+    "attn": _residual_cnn("attn", lambda k: k.optimizers.RMSprop(1e-3), head=_attention_head),
+}
 
 
 def _application(factory, hw, batch, optimizer):
