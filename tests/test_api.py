@@ -23,7 +23,11 @@ pytestmark = pytest.mark.slow
 
 # the MILP on the graph's own order: deterministic, and seconds on these graphs (the greedy
 # baselines stall at ~70% of skip_cnn's step once no kernel scratch space pads it)
-FAST = dict(strategy="checkmate-milp", cost_model="flops", verbose=0, time_limit=10)
+# (the static order's timing, 5-15 s of plain and ordered steps per optimize on 2 cores, runs
+# only where a test is about it or about the defaults: TIMED)
+FAST = dict(strategy="checkmate-milp", cost_model="flops", verbose=0, time_limit=10,
+            time_order=False)
+TIMED = dict(FAST, time_order=True)
 # for tests whose measurements are replaced, so the path from solve to solve is their subject:
 # the MILP finds its plans for cnn's graph in 2-3 s and spends the rest of its limit proving
 # them; a test that re-solves six to nine times spent a minute in that
@@ -305,13 +309,13 @@ def test_static_order_is_timed_into_the_prediction_and_leaves_the_weights():
     model, xs, ys = fresh(skip_cnn)
     model.optimizer.build(model.trainable_variables)
     untimed = tf_remat.optimize(model, budget_gb=1.0, input_spec=xs, label_spec=ys,
-                                attach=False, time_order=False, **FAST)
+                                attach=False, **FAST)
     rep = untimed.report
     assert "static_order_overhead" not in rep
     assert rep["predicted_overhead"] == rep["recompute_overhead"] == untimed.plan.overhead
     before = [v.numpy().copy() for v in list(model.variables) + list(model.optimizer.variables)]
     step = tf_remat.optimize(model, budget_gb=1.0, input_spec=xs, label_spec=ys, attach=False,
-                             **FAST)
+                             **TIMED)
     rep = step.report
     s, r = rep["static_order_overhead"], rep["recompute_overhead"]
     # a static order runs the same kernels one node at a time: its price is a fraction of the
@@ -339,7 +343,7 @@ def test_a_plain_step_that_cannot_be_timed_loses_no_plan(monkeypatch):
     model, xs, ys = fresh(mlp)
     with pytest.warns(UserWarning, match="static order's price was not timed.*OOM"):
         step = tf_remat.optimize(model, budget_gb=1.0, input_spec=xs, label_spec=ys,
-                                 attach=False, **FAST)
+                                 attach=False, **TIMED)
     rep = step.report
     assert "static_order_overhead" not in rep and rep["verified"]
     assert rep["predicted_overhead"] == rep["recompute_overhead"]
@@ -825,7 +829,7 @@ def test_fit_with_steps_per_execution_and_validation_matches_keras():
     want = ref.fit(x, y, **fit).history
     model = build()
     step = tf_remat.optimize(model, budget_bytes=mid_budget(model, xs, ys), input_spec=xs,
-                             label_spec=ys, verify=False, time_order=False, **FAST)
+                             label_spec=ys, verify=False, **FAST)
     assert step.report["recomputed_nodes"] > 0
     got = model.fit(x, y, **fit).history
     assert model.train_function == step._keras_train_function
@@ -929,7 +933,7 @@ def test_a_call_with_another_shape_than_the_specs_names_it():
     loss broadcast over labels of another batch size); each is now a ValueError naming it."""
     model, xs, ys = fresh(lambda: mlp(batch=8, d=16, width=32, depth=1))
     step = tf_remat.optimize(model, budget_gb=1.0, input_spec=xs, label_spec=ys,
-                             attach=False, time_order=False, **FAST)
+                             attach=False, **FAST)
     x, y = (np.asarray(a) for a in data(xs, ys))
     with pytest.raises(ValueError, match=r"x has shape \(8, 12\) where the step was built "
                                          r"for \(8, 16\)"):
@@ -1101,14 +1105,14 @@ def test_a_step_kept_within_the_budget_but_not_the_margin_says_so(monkeypatch):
     model, xs, ys = fresh(mlp)
     with pytest.warns(UserWarning, match="within the budget .* but over .* margin"):
         step = tf_remat.optimize(model, budget_bytes=budget, input_spec=xs, label_spec=ys,
-                                 attach=False, time_order=False, **FAST)
+                                 attach=False, **FAST)
     rep = step.report
     assert rep["measured_peak_bytes"] == int(0.98 * budget) and not rep["margin_met"]
     assert rep["attempts"] > 1  # it solved lower before keeping this one
     monkeypatch.setattr(api, "measure_step_peak", real)
     model, xs, ys = fresh(mlp)
     step = tf_remat.optimize(model, budget_bytes=budget, input_spec=xs, label_spec=ys,
-                             attach=False, time_order=False, **FAST)
+                             attach=False, **FAST)
     assert step.report["margin_met"]
 
 
@@ -1163,7 +1167,7 @@ def test_resolves_before_the_budget_is_met_leave_the_share_for_the_margin(monkey
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the probe's step is kept at the edge, and says so
         step = tf_remat.optimize(model, budget_bytes=budget, input_spec=xs, label_spec=ys,
-                                 attach=False, time_order=False, _probe=probe, **kw)
+                                 attach=False, _probe=probe, **kw)
     tries = step._primary().attempts
     assert [t["measured"] for t in tries[:2]] == [int(1.1 * budget), int(0.97 * budget)]
     assert tries[1]["time_limit"] == limit and tries[1]["solve_seconds"] > limit
@@ -1204,7 +1208,7 @@ def test_a_refusal_over_measured_peaks_hands_back_the_plan_that_meets_its_figure
     before = model_state(model)
     with pytest.raises(InfeasibleBudgetError, match="err.plan") as info:
         tf_remat.optimize(model, budget_bytes=budget, input_spec=xs, label_spec=ys,
-                          attach=False, time_order=False, **QUICK)
+                          attach=False, **QUICK)
     err = info.value
     assert err.min_feasible == budget + 4096 and len(seen) > 1
     assert all(np.array_equal(a, b) for a, b in zip(before, model_state(model)))
@@ -1212,7 +1216,7 @@ def test_a_refusal_over_measured_peaks_hands_back_the_plan_that_meets_its_figure
     with pytest.warns(UserWarning, match="within the budget .* but over"):  # at its edge
         step = tf_remat.optimize(model, budget_bytes=err.min_feasible, input_spec=xs,
                                  label_spec=ys, plan=err.plan, attach=False,
-                                 time_order=False, **QUICK)
+                                 **QUICK)
     rep = step.report
     assert not solves and rep["plan_source"] == "given"
     assert step.plan.sequence == err.plan.sequence
@@ -1250,7 +1254,7 @@ def test_solves_that_find_no_plan_leave_six_measured_attempts(monkeypatch):
     monkeypatch.setattr(api, "solve_isolated", solve)
     monkeypatch.setattr(api, "measure_step_peak", measured)
     step = tf_remat.optimize(model, budget_bytes=budget, input_spec=xs, label_spec=ys,
-                             attach=False, time_order=False, **QUICK)
+                             attach=False, **QUICK)
     tries = step._primary().attempts
     # more than six solves (the old limit, which refused here), six measured at most
     measured_tries = [t for t in tries if t["measured"] is not None]
@@ -1283,7 +1287,7 @@ def test_no_resolve_for_as_much_as_a_plan_measured_over(monkeypatch):
                         lambda *a, **k: {"step_peak_bytes": budget + 4096})  # all over
     with pytest.raises(InfeasibleBudgetError, match="could not be met"):
         tf_remat.optimize(model, budget_bytes=budget, input_spec=xs, label_spec=ys,
-                          attach=False, time_order=False, **QUICK)
+                          attach=False, **QUICK)
     lowest = None
     for solve_budget, peak in solves:
         assert lowest is None or solve_budget < lowest, solves
