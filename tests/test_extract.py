@@ -504,6 +504,59 @@ def test_broadcast_gradients_are_sunk_into_their_readers(monkeypatch):
     assert without_tiles.graph.no_remat_peak < tiled.graph.no_remat_peak
 
 
+def test_a_gradient_of_many_terms_is_summed_one_term_at_a_time(monkeypatch):
+    """A static TimeDistributed slices its input once per frame, and each slice's gradient is
+    the whole input's size: TensorFlow's one AddN of the eight needs them all at once. Summed
+    in a chain, the solver reaches far lower, the rewritten step requests what the plan says
+    (no rewrite merges the chain back), and the gradients are Keras's."""
+    from tf_remat import extract as extract_module
+    from tf_remat.extract import CHAIN_SUM, extract, tensor_bytes, trace_training_step
+    from tf_remat.rewrite import rewrite
+    from tf_remat.solvers import solve
+
+    keras.utils.set_random_seed(3)
+    inp = keras.Input((8, 16, 16, 3))
+    h = keras.layers.TimeDistributed(keras.layers.Conv2D(16, 3, padding="same"))(inp)
+    h = keras.layers.TimeDistributed(keras.layers.Conv2D(8, 3, padding="same",
+                                                         activation="relu"))(h)
+    h = keras.layers.GlobalAveragePooling1D()(keras.layers.TimeDistributed(
+        keras.layers.GlobalAveragePooling2D())(h))
+    model = keras.Model(inp, keras.layers.Dense(4)(h))
+    model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(True))
+    xs, ys = tf.TensorSpec((16, 8, 16, 16, 3)), tf.TensorSpec((16,), tf.int32)
+    term = 16 * 8 * 16 * 16 * 16 * 4  # one frame's slice gradient: 2 MiB
+
+    chained = extract(model, input_spec=xs, label_spec=ys, cost_model="flops", verbose=0)
+    fg = chained.traced.function.graph
+    ops = [fg.get_operation_by_name(o) for node in chained.op_map.nodes for o in node]
+    assert sum(CHAIN_SUM in o.name for o in ops) == 14  # two sliced inputs, 7 links each
+    assert not any(o.type == "AddN" and tensor_bytes(o.outputs[0]) >= term for o in ops)
+    monkeypatch.setattr(extract_module, "_chain_sums", lambda graph, first, g: g)
+    summed = extract(model, input_spec=xs, label_spec=ys, cost_model="flops", verbose=0)
+    monkeypatch.undo()
+    floor = summed.graph.budget_lower_bound
+    assert chained.graph.budget_lower_bound <= floor - 4 * term
+
+    # a plan under the floor of the one AddN, run: its kernels request what it simulates
+    plan = solve(chained.graph, floor - 2 * term, "moccasin", time_limit=20)
+    assert plan.within_budget
+    step = rewrite(chained.traced, chained.graph, chained.op_map, plan, chain="node")
+    x = tf.random.stateless_normal(xs.shape, seed=(1, 2))
+    y = tf.constant(np.arange(16) % 4, tf.int32)
+    got = requested_peak(step, x, y, chained.traced.variables)
+    assert got <= 1.03 * plan.peak_memory, (got, plan.peak_memory)
+    assert got < floor
+
+    # the gradients: Keras's own (TensorFlow's kernels and its AddN)
+    mine = trace_training_step(model, xs, ys, apply_updates=False)
+    keras_step = trace_training_step(model, xs, ys, apply_updates=False,
+                                     conv_gradients="tensorflow")
+    g1 = [g.numpy() for g in mine.function(x, y)[1:]]
+    g2 = [g.numpy() for g in keras_step.function(x, y)[1:]]
+    for a, b in zip(g1, g2):
+        assert np.max(np.abs(a - b)) <= 1e-5 * max(np.max(np.abs(b)), 1e-30), a.shape
+
+
 def test_a_failed_broadcast_sinking_leaves_a_correct_step(monkeypatch):
     """If re-pointing a reader fails midway (some readers sunk, some not), the trace goes on
     with a warning and the step's gradients are still Keras's."""
@@ -523,6 +576,8 @@ def test_a_failed_broadcast_sinking_leaves_a_correct_step(monkeypatch):
         real(old, new)
 
     monkeypatch.setattr(extract_module, "_redirect", fail_on_second)
+    # (the chained sums re-point readers too; their failure is the same kind of edit)
+    monkeypatch.setattr(extract_module, "_chain_sums", lambda graph, first, g: g)
     model, shape = small_cnn()
     xs, ys = tf.TensorSpec(shape), tf.TensorSpec((shape[0],), tf.int32)
     with pytest.warns(UserWarning, match="injected"):

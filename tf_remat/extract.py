@@ -438,6 +438,11 @@ def trace_training_step(model, input_spec, label_spec, *, loss=None, optimizer=N
                 # old one did), so a failure midway costs memory, never correctness
                 warn(f"tf-remat: BatchNorm-style broadcast gradients left as "
                      f"TensorFlow builds them ({type(exc).__name__}: {exc})")
+            try:
+                grads = _chain_sums(tf.compat.v1.get_default_graph(), marks["forward"], grads)
+            except (ValueError, TypeError, KeyError, tf.errors.OpError) as exc:
+                warn(f"tf-remat: gradient sums left as TensorFlow builds them "
+                     f"({type(exc).__name__}: {exc})")
         marks["backward"] = _n_ops()
         preds = ()
         if return_predictions:
@@ -1468,6 +1473,51 @@ def _sink_broadcasts(graph, first_id: int, grads: list) -> list:
     return [replaced.get(key(g), g) if isinstance(g, tf.Tensor) else g for g in grads]
 
 
+#: an ``AddN`` of at least this many terms of at least _CHAIN_MIN_BYTES each is summed in a chain
+#: of additions named with CHAIN_SUM
+CHAIN_SUM = "_remat_sum"
+_CHAIN_MIN_TERMS = 3
+_CHAIN_MIN_BYTES = 1 << 20
+
+
+def _chain_sums(graph, first_id: int, grads: list) -> list:
+    """Sum the backward pass's large ``AddN``s one term at a time.
+
+    A value read by k ops gets k gradients, which the tape sums in one ``AddN`` once the last
+    exists, so all k are held at once: a static ``TimeDistributed`` slices its input once per
+    step, and each slice's gradient (``StridedSliceGrad``) is the whole input's size, so at
+    batch 16 and 8 steps the sum alone needed 16 of the 21.6 MiB the step peaked at, and no
+    schedule could go under 17.25. As a chain of ``AddV2`` in the ``AddN``'s own input order,
+    each term can be freed once added, and the solver decides when each is computed. The
+    values are the same: TensorFlow's CPU ``AddN`` adds its inputs left to right as well.
+
+    Runs inside the traced function, on the ops created after ``first_id``; returns ``grads``
+    with any gradient that was such a sum replaced.
+    """
+    import tensorflow as tf
+
+    replaced = {}
+    for op in [o for o in graph.get_operations() if o._id > first_id]:  # noqa: SLF001
+        if op.type != "AddN" or len(op.inputs) < _CHAIN_MIN_TERMS:
+            continue
+        out = op.outputs[0]
+        if not out.dtype.is_floating or not out.shape.is_fully_defined() or \
+                tensor_bytes(out) < _CHAIN_MIN_BYTES or \
+                any(t.shape != out.shape for t in op.inputs):
+            continue
+        terms = list(op.inputs)
+        with tf.control_dependencies(op.control_inputs):
+            total = tf.raw_ops.AddV2(x=terms[0], y=terms[1], name=f"{op.name}{CHAIN_SUM}")
+        for t in terms[2:]:
+            total = tf.raw_ops.AddV2(x=total, y=t, name=f"{op.name}{CHAIN_SUM}")
+        _redirect(out, total)
+        replaced[(out.op.name, out.value_index)] = total
+    if not replaced:
+        return grads
+    return [replaced.get((g.op.name, g.value_index), g) if isinstance(g, tf.Tensor) else g
+            for g in grads]
+
+
 def _redirect(old, new) -> None:
     """Every reader of tensor ``old`` (and every op ordered after its op) reads ``new``."""
     for c in list(old.consumers()):
@@ -2011,7 +2061,10 @@ class _Analysis:
             if ops[j].type not in INPLACE_OPS or stateful[find(j)]:
                 continue
             out = ops[j].outputs[0]
-            for i, k in self.inputs[j]:
+            # a chained sum's link joins the term it adds, not the running total: merged
+            # along the totals, the whole chain would be one node needing every term at once
+            ins = self.inputs[j][1:] if CHAIN_SUM in ops[j].name else self.inputs[j]
+            for i, k in ins:
                 r = self.buf.get((i, k))
                 if r is None or not node[i]:
                     continue

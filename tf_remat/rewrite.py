@@ -418,12 +418,20 @@ def _chain_tails(tails, members, by_name, readers, parse):
     edge; the chain's edge from such a tail kept the rewritten step from that rewrite, and a
     subclassed residual net then summed in another order than Keras's step (a ReLU turned
     the rounding into gradients 1% apart in one layer). Its inputs finish no later, and the
-    addition itself still runs before the addition that reads it."""
+    addition itself still runs before the addition that reads it.
+
+    Not so for a link of a chained gradient sum (``extract.CHAIN_SUM``): that chain exists so
+    that each term is added, and freed, before the next is computed, and the rewrite would
+    turn it back into one ``AddN`` holding every term (a ``TimeDistributed`` input's eight
+    slice gradients: 20.6 MiB requested under a 12.9 MiB plan)."""
+    from tf_remat.extract import CHAIN_SUM
+
     out = []
     for t in tails:
         nd = by_name[t]
         rd = readers.get(t, [])
-        if nd.op in _ADDS and len(rd) == 1 and by_name[rd[0]].op in _ADDS:
+        if nd.op in _ADDS and len(rd) == 1 and by_name[rd[0]].op in _ADDS and \
+                CHAIN_SUM not in t:
             inner = [p for p in (parse(r)[0] for r in nd.input if not r.startswith("^"))
                      if p in members]
             if inner:

@@ -762,6 +762,33 @@ def gru(batch=32, steps=64, features=32):
     return model, tf.TensorSpec((batch, steps, features)), tf.TensorSpec((batch,), tf.int32)
 
 
+def timedist(batch=16, steps=8, hw=32):
+    """A per-frame CNN under ``TimeDistributed`` (a static time axis: Keras slices the input
+    once per frame, so each of its gradients is summed from eight input-sized terms), with
+    BatchNorm, a residual add across frames, Dropout, and a frame-pooling head."""
+    import keras
+    import tensorflow as tf
+
+    def td(layer):
+        return keras.layers.TimeDistributed(layer)
+
+    inp = keras.Input((steps, hw, hw, 3))
+    h = td(keras.layers.Conv2D(24, 3, padding="same"))(inp)
+    h = td(keras.layers.BatchNormalization())(h)
+    r = td(keras.layers.Conv2D(24, 3, padding="same", activation="relu"))(h)
+    r = keras.layers.Dropout(0.2)(td(keras.layers.BatchNormalization())(r))
+    h = keras.layers.Add()([h, r])
+    h = td(keras.layers.MaxPooling2D())(h)
+    h = td(keras.layers.Conv2D(32, 3, padding="same", activation="relu"))(h)
+    h = td(keras.layers.GlobalAveragePooling2D())(h)
+    h = keras.layers.GlobalAveragePooling1D()(keras.layers.Dense(64, activation="relu")(h))
+    model = keras.Model(inp, keras.layers.Dense(6)(keras.layers.Dropout(0.3)(h)),
+                        name="timedist")
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  optimizer=keras.optimizers.RMSprop(1e-3), metrics=["accuracy"])
+    return model, tf.TensorSpec((batch, steps, hw, hw, 3)), tf.TensorSpec((batch,), tf.int32)
+
+
 #: BatchNorm with renormalization under clipped SGD; Adafactor; Lion with a global clip;
 #: Adam accumulating gradients over 2 steps; a nested Sequential with bilinear upsampling
 #: under Nadam; self-attention under RMSprop
@@ -813,6 +840,7 @@ MODELS = {"resdrop": resdrop, "unet_bn": unet_bn, "densenet": densenet,
           "gptmini": gptmini,
           "grouped": grouped, "regnet": regnet, "resmlp": resmlp,
           "subclassed": subclassed, "augment": augment, "mixed": mixed, "gru": gru,
+          "timedist": timedist,
           **VARIANTS, **APPLICATIONS}
 
 
