@@ -350,8 +350,9 @@ def trace_training_step(model, input_spec, label_spec, *, loss=None, optimizer=N
             compiled metrics; see ``TracedStep.predictions``.
         conv_gradients: ``"matmul"`` or ``"tensorflow"`` (see :func:`conv_gradients_mode`, the
             default); ``"tensorflow"`` traces the step exactly as Keras runs it: TensorFlow's
-            convolution gradients, and no broadcast gradients sunk into their readers
-            (:func:`_sink_broadcasts`, done otherwise).
+            convolution gradients, no broadcast gradients sunk into their readers
+            (:func:`_sink_broadcasts`) and no gradient sums chained (:func:`_chain_sums`),
+            both done otherwise.
         weighted: the labels are a pair ``(y, sample_weight)`` and the loss weighs each sample
             as ``model.fit(sample_weight=...)`` (or ``class_weight=``) would: ``label_spec`` is
             then ``(spec of y, spec of the weights)``.
