@@ -1488,11 +1488,12 @@ def _chain_sums(graph, first_id: int, grads: list) -> list:
 
     A value read by k ops gets k gradients, which the tape sums in one ``AddN`` once the last
     exists, so all k are held at once: a static ``TimeDistributed`` slices its input once per
-    step, and each slice's gradient (``StridedSliceGrad``) is the whole input's size, so at
-    batch 16 and 8 steps the sum alone needed 16 of the 21.6 MiB the step peaked at, and no
-    schedule could go under 17.25. As a chain of ``AddV2`` in the ``AddN``'s own input order,
-    each term can be freed once added, and the solver decides when each is computed. The
-    values are the same: TensorFlow's CPU ``AddN`` adds its inputs left to right as well.
+    frame, and each slice's gradient (``StridedSliceGrad``) is the whole input's size
+    (``tools/bench_heldout.py``'s ``timedist``, 8 frames: no plan could go under 100.2 MiB;
+    chained, 41.7). As a chain of ``AddV2`` in the ``AddN``'s own input order, each term can
+    be freed once added, and the solver decides when each is computed. Up to nine terms the
+    values are TensorFlow's CPU ``AddN``'s bit for bit (it adds left to right too); with more,
+    it adds in groups of eight, and the two differ in float32 rounding.
 
     Runs inside the traced function, on the ops created after ``first_id``; returns ``grads``
     with any gradient that was such a sum replaced.
