@@ -268,6 +268,48 @@ def test_loops_run_one_iteration_at_a_time_and_compute_the_same_step():
                ex.traced.function.graph.get_operations() if op.type == "While")
 
 
+def test_a_recomputed_rnn_loop_reads_the_weights_the_step_started_with():
+    """An LSTM's loop (a ``While`` whose body reads its weights through their handles) may be
+    recomputed; a copy run after the weights' optimizer update must compute with the weights
+    of the step's start, as the first run did. The plan here runs the whole step, then the
+    loop again and everything from it to the loss, which the step returns: that loss must be
+    the one the step computed before its update."""
+    from tf_remat.rewrite import build_graph_def, rewrite
+
+    ex = extracted("rnn")
+    g, om = ex.graph, ex.op_map
+    fg = ex.traced.function.graph
+    loop = next(v for v in range(g.n) if not g.backward[v] and any(
+        fg.get_operation_by_name(o).type == "While" for o in om.nodes[v]))
+    assert g.recomputable[loop]
+    # the loop's descendants on the way to the loss, again after every update
+    down = {loop}
+    for v in g.order:
+        if any(u in down for u in g.preds[v]) and not g.backward[v]:
+            down.add(v)
+    loss_path = set()
+    stack = [v for v in g.outputs if v in down]
+    while stack:
+        v = stack.pop()
+        if v in loss_path:
+            continue
+        loss_path.add(v)
+        stack.extend(u for u in g.preds[v] if u in down)
+    assert loop in loss_path and all(g.recomputable[v] for v in loss_path)
+    seq = list(g.order) + [v for v in g.order if v in loss_path]
+    plan = make_plan(g, Schedule(sequence=seq), 2**62, strategy="loop-after-update")
+    step = rewrite(ex.traced, g, om, plan)
+    assert step.info["value_loops"] == 1
+    gd = build_graph_def(ex.traced, om, plan.sequence)[0]
+    reads = {nd.name: nd.input[0] for nd in gd.node if nd.name.endswith("/_remat_value")}
+    assert reads
+    writes = [nd for nd in gd.node if nd.op.startswith(("Assign", "ResourceApply"))
+              and nd.input[0] in reads.values()]
+    assert writes and all("^" + r in nd.input for nd in writes for r in reads
+                          if reads[r] == nd.input[0])
+    assert_same_step(ex, step, *batch_for(ex))
+
+
 def test_copies_reading_updated_weights_read_the_old_values():
     """Recomputed copies that run after their weight's optimizer update still see the weight
     as it was at the start of the step (resource variables copy on write)."""

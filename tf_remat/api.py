@@ -1254,9 +1254,10 @@ def _raise_infeasible(graph, plan, budget, opts, loop_bytes=None):
     if loop_bytes:
         msg += (f". The step's tf.while_loop(s) ({_loop_layers(loop_bytes)}) keep "
                 f"{format_bytes(sum(loop_bytes.values()))} for the backward pass, which a plan "
-                f"must keep until then (a loop runs once: it reads weights inside its body); "
-                f"for an RNN layer, unroll=True (its sequence length is static) makes every "
-                f"time step ops the plan can schedule and recompute")
+                f"must keep until then (such a loop runs once: its body draws random numbers "
+                f"or writes state, so a second run would compute other values; draw them "
+                f"before the loop and pass them in, as Keras's RNN layers do their dropout "
+                f"masks, and the loop may be recomputed)")
     raise InfeasibleBudgetError(msg, budget=budget, min_feasible=reach, plan=plan)
 
 

@@ -606,12 +606,14 @@ def forward_loops(traced: TracedStep, op_map: OpMap) -> list:
 
 def loop_memory(traced: TracedStep, op_map: OpMap) -> dict:
     """``{loop op name: bytes}``: what each forward ``tf.while_loop`` that runs once keeps in
-    TensorLists for the backward pass, as the graph counts it. A ``While`` whose body reads
-    weights (every Keras RNN's) is stateful and is never recomputed, so a plan keeps these
-    lists from the loop to its gradient: they bound the budget from below."""
+    TensorLists for the backward pass, as the graph counts it. A loop that may not run again
+    (one that draws random numbers or writes state in its body, :func:`recomputable_loop`)
+    keeps these lists from the loop to its gradient in every plan: they bound the budget from
+    below. A Keras RNN's loop, which only computes and reads its weights, may be recomputed
+    before its gradient and is not listed."""
     out = {}
     for op in _forward_whiles(traced, op_map):
-        if not _non_recomputable(op):
+        if not _non_recomputable(op, forward=True):
             continue
         b = sum(loop_list_bytes(op).values())
         if b:
@@ -1696,8 +1698,77 @@ def _is_random(op_type: str) -> bool:
     return op_type not in _NOT_RANDOM and bool(_RANDOM_RE.search(op_type))
 
 
-def _non_recomputable(op) -> bool:
+def _loop_function(op, which: str):
+    """The FuncGraph of a ``While`` op's ``cond`` or ``body``."""
+    return op.graph._get_function(op.get_attr(which).name).graph  # noqa: SLF001
+
+
+def loop_resource_passthrough(op) -> frozenset:
+    """Indices of a ``While``'s resource loop variables its body passes on unchanged (a
+    captured variable's handle, as ``while_v2`` passes every capture): output k is input k."""
+    import tensorflow as tf
+
+    if op.type not in ("While", "StatelessWhile"):
+        return frozenset()
+    try:
+        body = _loop_function(op, "body")
+    except Exception:  # noqa: BLE001 (no function body to read)
+        return frozenset()
+    if len(body.inputs) < len(op.outputs) or len(body.outputs) != len(op.outputs):
+        return frozenset()
+    out = set()
+    for k, t in enumerate(op.outputs):
+        if t.dtype != tf.resource:
+            continue
+        s = body.outputs[k]
+        while s.op.type == "Identity" and s.op.inputs:
+            s = s.op.inputs[0]
+        if s is body.inputs[k]:
+            out.add(k)
+    return frozenset(out)
+
+
+def recomputable_loop(op) -> bool:
+    """Whether a forward ``While`` may run again: its cond and body only compute (no random
+    op, no state written, no nested loop, condition or call), and touch resources only to
+    read the weights whose handles the loop passes on unchanged (a Keras RNN reads its
+    kernels so). A recomputed copy reads those weights as values taken before any update
+    (:mod:`tf_remat.rewrite`), so it computes what the first run did."""
+    import tensorflow as tf
+
+    if op.type != "While":
+        return False
+    try:
+        fns = [_loop_function(op, "cond"), _loop_function(op, "body")]
+    except Exception:  # noqa: BLE001 (no function bodies to read)
+        return False
+    passthrough = loop_resource_passthrough(op)
+    for g in fns:
+        derived = {id(t) for k, t in enumerate(g.inputs) if t.dtype == tf.resource}
+        allowed = {id(g.inputs[k]) for k in passthrough if k < len(g.inputs)}
+        if derived - allowed:
+            return False
+        for o in g.get_operations():
+            if any(id(t) in derived for t in o.inputs):
+                if o.type == "Identity":
+                    derived.add(id(o.outputs[0]))
+                    continue
+                if o.type != "ReadVariableOp":
+                    return False
+                continue
+            if o.type in ("While", "StatelessWhile", "If", "StatelessIf", "Case",
+                          "StatelessCase", "PartitionedCall", "StatefulPartitionedCall") or \
+                    _is_random(o.type) or _non_recomputable(o):
+                return False
+    return True
+
+
+def _non_recomputable(op, forward: bool = False) -> bool:
+    """Whether ``op`` must run exactly once. ``forward``: the op is in the forward pass, where
+    a loop that only computes (:func:`recomputable_loop`) may run again."""
     t = op.type
+    if t == "While" and forward and recomputable_loop(op):
+        return False
     if _is_side_effect(t):
         return True
     try:
@@ -1748,6 +1819,44 @@ class _Analysis:
         for op in self.ops:
             oid = op._id  # noqa: SLF001
             self.phase.append(0 if oid <= fwd else (1 if oid <= bwd else 2))
+        self._loop_edges()
+
+    def _loop_edges(self):
+        """Edges of ``tf.while_loop`` ops that say nothing about memory, removed.
+
+        A loop passes its captured weights' handles on unchanged; a reader of such an output
+        (the gradient's ``VariableShape``) reads the handle itself, so a plan need not hold
+        the loop's lists for it (the rewrite reads the handle too). A forward loop that may
+        run again (:func:`recomputable_loop`) waits, by TensorFlow's automatic control
+        edges, for nothing, but its weights' updates wait for it; where an update reads the
+        loop's results anyway (through the gradient), that edge orders nothing and, as an
+        edge of the graph, would hold the loop's lists until the update. The rewrite keeps
+        it on the op, where it names the newest copy. (A path through other control edges
+        counts: an optimizer reads a slot after updating it by one.)"""
+        for j, op in enumerate(self.ops):
+            for k in loop_resource_passthrough(op):
+                src = self.inputs[j][k]
+                for c in self.consumers.pop((j, k), []):
+                    self.inputs[c] = [src if x == (j, k) else x for x in self.inputs[c]]
+                    self.consumers[src].append(c)
+        for j, op in enumerate(self.ops):
+            if self.phase[j] != 0 or op.type != "While" or not self.ctrl_out[j] or \
+                    not recomputable_loop(op):
+                continue
+            # (a slot's update reaches the weight's through a control edge: paths take both)
+            reach = set()
+            stack = [c for k in range(len(op.outputs)) for c in self.consumers.get((j, k), ())]
+            while stack:
+                i = stack.pop()
+                if i in reach:
+                    continue
+                reach.add(i)
+                stack.extend(c for k in range(len(self.ops[i].outputs))
+                             for c in self.consumers.get((i, k), ()))
+                stack.extend(self.ctrl_out[i])
+            for c in [c for c in self.ctrl_out[j] if c in reach]:
+                self.ctrl_out[j].remove(c)
+                self.ctrl_in[c] = [i for i in self.ctrl_in[c] if i != j]
 
     # ---------------------------------------------------------- classification
     def classify(self):
@@ -1910,7 +2019,7 @@ class _Analysis:
         # per group facts
         big = {j: max((b for k, b in enumerate(self.out_bytes[j])
                        if self.buf.get((j, k)) == (j, k)), default=0) for j in members}
-        stateful = {j: _non_recomputable(ops[j]) for j in members}
+        stateful = {j: _non_recomputable(ops[j], self.phase[j] == 0) for j in members}
         phase = {j: self.phase[j] for j in members}
         largest = max(big.values(), default=0)
         # groups holding a returned buffer stay resident to the end: keep them small
@@ -2257,7 +2366,8 @@ class _Analysis:
                 continue
             fixed += sum(counted_bytes(b, dev) for b in self.out_bytes[j])
         backward = [all(self.phase[j] > 0 for j in node_ops[v]) for v in range(n)]
-        recomputable = [not any(_non_recomputable(ops[j]) for j in node_ops[v])
+        recomputable = [not any(_non_recomputable(ops[j], self.phase[j] == 0)
+                                for j in node_ops[v])
                         for v in range(n)]
         names = [_node_name(ops, node_ops[v]) for v in range(n)]
         op_map = OpMap(nodes=[[ops[j].name for j in node_ops[v]] for v in range(n)],

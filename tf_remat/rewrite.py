@@ -54,6 +54,7 @@ import time
 from typing import Any
 
 from tf_remat.errors import PlanError, RematError
+from tf_remat.extract import _is_side_effect, loop_resource_passthrough
 from tf_remat.plan import Plan, concurrent_groups, simulate
 
 __all__ = ["RewrittenStep", "rewrite", "build_graph_def", "copy_name"]
@@ -204,9 +205,23 @@ def build_graph_def(traced, op_map, sequence, *, chain: str = "op", runs=None):
             return name, int(k)
         return ref, 0
 
+    passthrough = {}
+
+    def loop_handles(name):
+        if name not in passthrough:
+            nd = by_name.get(name)
+            passthrough[name] = (loop_resource_passthrough(op_of(name))
+                                 if nd is not None and nd.op in _LOOP_OPS else frozenset())
+        return passthrough[name]
+
     def resolve(ref, own_node, own_copy):
         """The rewritten form of an input reference, or None to drop it."""
         name, k = parse(ref)
+        if k >= 0 and k in loop_handles(name):
+            # a loop passes a weight's handle on unchanged: its reader (the gradient's
+            # VariableShape) reads the handle (as the op map's graph counts it), whichever
+            # copy of the loop ran last, and a recomputed copy has a value there instead
+            return resolve(by_name[name].input[k], own_node, own_copy)
         if name in bypass:
             if k < 0:
                 return None
@@ -245,6 +260,8 @@ def build_graph_def(traced, op_map, sequence, *, chain: str = "op", runs=None):
             if not r.startswith("^"):
                 data_readers.setdefault(parse(r)[0], []).append(nd.name)
     prev_tail = []            # chain: ops the next emitted ops must follow
+    value_reads = {}          # a weight's handle -> the read a recomputed loop takes instead
+    loop_functions = {}       # a loop function's name -> its variant that takes values
     emitted = 0
     chain_edges = 0
     fused_pairs = 0
@@ -294,6 +311,8 @@ def build_graph_def(traced, op_map, sequence, *, chain: str = "op", runs=None):
             c.CopyFrom(nd)
             c.name = copy_name(o, k)
             ins = [r for r in (resolve(i, v, k) for i in nd.input) if r is not None]
+            if k and nd.op in _LOOP_OPS:
+                ins = _value_loop(out, c, op_of(o), ins, value_reads, loop_functions)
             after = prev_tail
             if chain == "op" and o in partner and partner[o] in tail_before:
                 # the second op of a pair the runtime fuses follows what its partner follows:
@@ -365,6 +384,20 @@ def build_graph_def(traced, op_map, sequence, *, chain: str = "op", runs=None):
                 read.add(parse(r)[0])
         prev_tail = [nd.name for nd in out.node if nd.name not in read and
                      (nd.name in node_of or _COPY in nd.name)]
+    if value_reads:
+        # the reads a recomputed loop takes run before their weights' updates, so a copy
+        # after an update still computes with the step's weights (the update then copies the
+        # weight's buffer, which the read still holds)
+        reads_of = {}
+        for handle, read in value_reads.items():
+            reads_of.setdefault(handle, []).append(read)
+        for nd in out.node:
+            if not _writes_variables(nd.op):
+                continue
+            for r in nd.input:
+                if not r.startswith("^") and parse(r)[0] in reads_of:
+                    nd.input.extend("^" + x for x in reads_of[parse(r)[0]]
+                                    if "^" + x not in nd.input)
     # --- outputs: the newest copies
     outputs = []
     for t in op_map.outputs:
@@ -374,6 +407,7 @@ def build_graph_def(traced, op_map, sequence, *, chain: str = "op", runs=None):
             "recomputed_ops": emitted - sum(len(o) for o in op_map.nodes),
             "fixed_ops": len(fixed), "chain": chain, "chain_edges": chain_edges,
             "fused_pairs": fused_pairs, "sequential_loops": loops,
+            "value_loops": len(loop_functions) // 2,
             "runs": (runs[-1] + 1 if runs else 0) if chain == "run" else None,
             "run_barriers": barriers if chain == "run" else None,
             "tails": list(prev_tail)}
@@ -554,6 +588,130 @@ def _fusion_partners(ops, by_name, parse):
                     found[o], found[p] = p, o
                     break
     return found
+
+
+def _writes_variables(op_type: str) -> bool:
+    return op_type.startswith(("Assign", "ResourceApply", "ResourceSparseApply",
+                               "ResourceScatter")) or _is_side_effect(op_type)
+
+
+def _value_loop(out, c, op, ins, value_reads, loop_functions):
+    """Make ``c``, a recomputed copy of the loop ``op``, read its weights as values.
+
+    A loop's body reads each weight through the handle the loop passes on; a copy run after
+    the weight's update would read the updated weight. The copy takes instead a read of the
+    handle that runs before any update (``value_reads``, ordered so by the caller) and runs
+    variants of its cond and body whose argument is that value: each ``ReadVariableOp`` of the
+    argument becomes an ``Identity``. Returns the copy's inputs."""
+
+    handles = loop_resource_passthrough(op)
+    if not handles:
+        return ins
+    from tf_remat.extract import _loop_function
+
+    body = _loop_function(op, "body")
+    reads = {}          # loop variable -> (dtype, shape) of the weight its body reads
+    for k in handles:
+        stack = [body.inputs[k]]
+        while stack:
+            t = stack.pop()
+            for r in t.consumers():
+                if r.type == "Identity":
+                    stack.append(r.outputs[0])
+                elif r.type == "ReadVariableOp":
+                    reads[k] = (r.get_attr("dtype"), r.outputs[0].shape)
+    if not reads:
+        return ins
+    ins = list(ins)
+    for k, (dtype, _) in reads.items():
+        handle = ins[k]
+        if handle.startswith("^"):
+            raise RematError(f"loop {op.name!r}: input {k} is not a weight's handle")
+        key = handle.split(":")[0] if handle.endswith(":0") else handle
+        if key not in value_reads:
+            rd = out.node.add()
+            rd.name = f"{key}/_remat_value"
+            rd.op = "ReadVariableOp"
+            rd.input.append(handle)
+            rd.attr["dtype"].type = dtype.as_datatype_enum
+            value_reads[key] = rd.name
+        ins[k] = value_reads[key]
+    ks = {k: dtype for k, (dtype, _) in reads.items()}
+    for which in ("cond", "body"):
+        name = c.attr[which].func.name
+        if name not in loop_functions:
+            loop_functions[name] = _value_function(out, name, ks)
+        c.attr[which].func.name = loop_functions[name]
+    for k, (dtype, shape) in reads.items():
+        c.attr["T"].list.type[k] = dtype.as_datatype_enum
+        if "output_shapes" in c.attr and k < len(c.attr["output_shapes"].list.shape):
+            c.attr["output_shapes"].list.shape[k].CopyFrom(shape.as_proto())
+    if "_read_only_resource_inputs" in c.attr:
+        keep = [i for i in c.attr["_read_only_resource_inputs"].list.i if i not in ks]
+        del c.attr["_read_only_resource_inputs"].list.i[:]
+        c.attr["_read_only_resource_inputs"].list.i.extend(keep)
+    return ins
+
+
+def _value_function(out, name, ks):
+    """Add to ``out``'s library a variant of the loop function ``name`` whose arguments
+    ``ks`` (index -> dtype) are weight values, not handles; its name."""
+    from tensorflow.core.framework import function_pb2
+
+    src = next((f for f in out.library.function if f.signature.name == name), None)
+    if src is None:
+        raise RematError(f"loop function {name!r} is not in the step's library")
+    f = function_pb2.FunctionDef()
+    f.CopyFrom(src)
+    f.signature.name = new = f"{name}_remat_values"
+    derived = {}        # reference -> dtype, for tensors that were a converted handle
+    for k, dtype in ks.items():
+        arg = f.signature.input_arg[k]
+        arg.type = dtype.as_datatype_enum
+        derived[arg.name] = dtype
+        if k in f.arg_attr:
+            del f.arg_attr[k]
+        if k in f.resource_arg_unique_id:
+            del f.resource_arg_unique_id[k]
+    renamed = {}        # a ReadVariableOp's output reference -> the Identity's
+    done = set()
+    grew = True
+    while grew:         # a FunctionDef's nodes need not be in topological order
+        grew = False
+        for nd in f.node_def:
+            if nd.name in done:
+                continue
+            hit = [derived[r] for r in nd.input if r in derived]
+            if not hit:
+                continue
+            dtype = hit[0]
+            if nd.op == "ReadVariableOp":
+                nd.op = "Identity"
+                del nd.attr["dtype"]
+                renamed[f"{nd.name}:value:0"] = f"{nd.name}:output:0"
+            elif nd.op != "Identity":
+                raise RematError(f"loop function {name!r}: {nd.op} {nd.name!r} reads a weight's "
+                                 f"handle; only reads can take its value")
+            else:
+                derived[f"{nd.name}:output:0"] = dtype
+            for key in [a for a in nd.attr if a.startswith("_read_only") or a == "_handle_data"]:
+                del nd.attr[key]
+            nd.attr["T"].type = dtype.as_datatype_enum
+            done.add(nd.name)
+            grew = True
+    for nd in f.node_def:
+        for i, r in enumerate(nd.input):
+            if r in renamed:
+                nd.input[i] = renamed[r]
+    for key, r in list(f.ret.items()):
+        if r in renamed:
+            f.ret[key] = renamed[r]
+    for oa in f.signature.output_arg:
+        r = f.ret.get(oa.name)
+        if r in derived:
+            oa.type = derived[r].as_datatype_enum
+    out.library.function.add().CopyFrom(f)
+    return new
 
 
 def _out_dtype(nd):
