@@ -762,6 +762,27 @@ def gru(batch=32, steps=64, features=32):
     return model, tf.TensorSpec((batch, steps, features)), tf.TensorSpec((batch,), tf.int32)
 
 
+def deep_rnn(batch=32, steps=64, features=32, vocab=1000):
+    """Token ids through an Embedding, a Conv1D-BatchNorm stem, three stacked LSTMs with
+    recurrent dropout, residual adds and LayerNorm between them, Dropout, a pooled head;
+    AdamW and accuracy. Each loop keeps its time steps' gates for its gradient."""
+    import keras
+    import tensorflow as tf
+
+    inp = keras.Input((steps,), dtype="int32")
+    h = keras.layers.Embedding(vocab, features)(inp)
+    h = keras.layers.BatchNormalization()(keras.layers.Conv1D(96, 3, padding="same")(h))
+    h = keras.layers.Activation("relu")(h)
+    for _ in range(3):
+        r = keras.layers.LSTM(96, return_sequences=True, recurrent_dropout=0.1)(h)
+        h = keras.layers.LayerNormalization()(keras.layers.Add()([h, keras.layers.Dropout(0.2)(r)]))
+    h = keras.layers.GlobalAveragePooling1D()(h)
+    model = keras.Model(inp, keras.layers.Dense(8)(h), name="deep_rnn")
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  optimizer=keras.optimizers.AdamW(1e-3), metrics=["accuracy"])
+    return model, tf.TensorSpec((batch, steps), tf.int32), tf.TensorSpec((batch,), tf.int32)
+
+
 def timedist(batch=16, steps=8, hw=32):
     """A per-frame CNN under ``TimeDistributed`` (a static time axis: Keras slices the input
     once per frame, so each of its gradients is summed from eight input-sized terms), with
@@ -840,7 +861,7 @@ MODELS = {"resdrop": resdrop, "unet_bn": unet_bn, "densenet": densenet,
           "gptmini": gptmini,
           "grouped": grouped, "regnet": regnet, "resmlp": resmlp,
           "subclassed": subclassed, "augment": augment, "mixed": mixed, "gru": gru,
-          "timedist": timedist,
+          "timedist": timedist, "deep_rnn": deep_rnn,
           **VARIANTS, **APPLICATIONS}
 
 
