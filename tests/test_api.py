@@ -1001,13 +1001,14 @@ def test_bad_specs_and_time_limit_are_refused_before_tracing(monkeypatch):
 def test_a_call_with_another_shape_than_the_specs_names_it():
     """The rewritten step is static: x or y of another shape than the spec's (beyond the
     batch size) ran into a kernel that assumed it (a reshape's InvalidArgumentError, or a
-    loss broadcast over labels of another batch size); each is now a ValueError naming it."""
+    loss broadcast over labels of another batch size); each is now a ValueError naming it:
+    another rank, a size the model's input refuses, batch sizes that disagree."""
     model, xs, ys = fresh(lambda: mlp(batch=8, d=16, width=32, depth=1))
     step = tf_remat.optimize(model, budget_gb=1.0, input_spec=xs, label_spec=ys,
                              attach=False, **FAST)
     x, y = (np.asarray(a) for a in data(xs, ys))
     with pytest.raises(ValueError, match=r"x has shape \(8, 12\) where the step was built "
-                                         r"for \(8, 16\)"):
+                                         r"for \(8, 16\).*the model's input takes \(None, 16\)"):
         step(x[:, :12], y)
     with pytest.raises(ValueError, match=r"y has shape \(8, 1\)"):
         step(x, y[:, None])
@@ -1015,6 +1016,45 @@ def test_a_call_with_another_shape_than_the_specs_names_it():
         step.gradients(x, y[:5])
     # another batch size of both, and other dtypes, are what a step takes
     assert np.isfinite(float(step(x[:4].astype("float64"), y[:4].astype("int64"))))
+
+
+def test_a_batch_of_other_dimensions_gets_a_plan_of_its_own():
+    """A model that takes sequences of any length (``keras.Input((None, 8))``): ``optimize``
+    solves for the spec's length; a call, and ``fit``, with another length build a step of
+    their own within the same budget (as another batch size does), with Keras's gradients at
+    that length. The batch size's check stays: inputs and labels must agree on it."""
+    def build():
+        inp = keras.Input((None, 8))
+        h = keras.layers.Conv1D(64, 3, padding="same", activation="relu")(inp)
+        h = keras.layers.BatchNormalization()(h)
+        r = keras.layers.Conv1D(64, 3, padding="same")(h)
+        h = keras.layers.Add()([h, keras.layers.Dropout(0.1)(r)])
+        model = keras.Model(inp, keras.layers.Dense(10)(keras.layers.GlobalMaxPooling1D()(h)))
+        model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      optimizer="adam")
+        return model, tf.TensorSpec((32, 256, 8)), tf.TensorSpec((32,), tf.int32)
+
+    model, xs, ys = fresh(build)
+    # a budget a little over the spec's plain step, which the longer one (1.5 times the
+    # activations) meets only by recomputing
+    _, base, _ = baseline_peak(model, xs, ys)
+    budget = int(1.1 * base)
+    step = tf_remat.optimize(model, budget_bytes=budget, input_spec=xs, label_spec=ys, **FAST)
+    longer = tf.TensorSpec((32, 384, 8))
+    x, y = (tf.constant(a) for a in data(longer, ys))
+    g1, g2 = plain_and_step_gradients(model, longer, ys, step, x, y)
+    scale = max(float(np.abs(g).max()) for g in g1)
+    assert len(g1) == len(g2) and all(close(a, b, scale) for a, b in zip(g1, g2))
+    key = ((32, 384, 8), (32,))
+    assert any(k[-1] == key for k in step._grads)
+    history = model.fit(x.numpy(), y.numpy(), batch_size=32, epochs=2, verbose=0)
+    assert np.all(np.isfinite(history.history["loss"]))
+    built, = [b for k, b in step._train.items() if k[-1] == key]
+    assert built.extraction.graph.no_remat_peak > budget
+    assert built.measured["step_peak_bytes"] <= budget
+    assert step.budget_bytes == budget
+    with pytest.raises(ValueError, match="x has batch size 32; y has batch size 8"):
+        step(x, y[:8])
 
 
 def test_a_weighted_step_with_a_given_loss_keeps_the_penalties():

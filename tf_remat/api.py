@@ -395,8 +395,9 @@ class OptimizedStep:
 
         Keras's ``make_train_function`` is replaced on this model instance; the train function
         takes each batch from the iterator, runs the rewritten step (a batch of another size,
-        such as the last partial one, gets its own plan within the same budget, built on first
-        use: the solved plan's schedule when that size needs recomputation and its graph
+        such as the last partial one, or of other dimensions the model takes, such as another
+        sequence length, gets its own plan within the same budget, built on first
+        use: the solved plan's schedule when that batch needs recomputation and its graph
         differs only in memory, else a solve) and updates the model's loss tracker and
         compiled metrics (the step returns the model's outputs when the model was compiled
         with metrics). With ``sample_weight=`` or
@@ -498,6 +499,7 @@ class OptimizedStep:
 
         batch = _batch_of(x)
         x, y = self._cast(x, y)
+        shapes = self._other_shapes(x, y)
         weights = None
         if sample_weight is not None:
             sw = tf.convert_to_tensor(sample_weight)
@@ -509,47 +511,76 @@ class OptimizedStep:
             # weights' sum), so the step solved with weights serves unweighted calls too
             weights = self._specs(batch, self._opts["sample_weight_spec"])[2]
             sw = tf.ones(weights.shape, weights.dtype)
-        b = self._get(batch, apply_updates=apply_updates, weights=weights)
+        b = self._get(batch, apply_updates=apply_updates, weights=weights, shapes=shapes)
         return b, ((x, y) if weights is None else (x, (y, sw)))
 
-    def _specs(self, batch, weights=None):
-        """``(input_spec, label_spec, weights)`` at this batch size; with weights, the label
-        spec is the pair the weighted step takes."""
+    def _other_shapes(self, x, y):
+        """None when every input and label has its spec's shape but for the batch size;
+        else the shapes of all of them (inputs, then labels, flattened), a step's key."""
+        import tensorflow as tf
+
+        got = [tuple(t.shape.as_list()) for t in tf.nest.flatten(x) + tf.nest.flatten(y)]
+        want = [tuple(s.shape.as_list()) for s in
+                tf.nest.flatten(self.input_spec) + tf.nest.flatten(self.label_spec)]
+        if all(g[1:] == w[1:] for g, w in zip(got, want)):
+            return None
+        return tuple(got)
+
+    def _specs(self, batch, weights=None, shapes=None):
+        """``(input_spec, label_spec, weights)`` at this batch size (or these ``shapes``, see
+        :meth:`_other_shapes`); with weights, the label spec is the pair the weighted step
+        takes."""
+        import tensorflow as tf
+
         from tf_remat.extract import _with_batch
 
         ispec = _with_batch(self.input_spec, batch)
         lspec = _with_batch(self.label_spec, batch)
+        if shapes is not None:
+            leaves = tf.nest.flatten(ispec) + tf.nest.flatten(lspec)
+            fixed = [tf.TensorSpec(shape, s.dtype, s.name) for s, shape in zip(leaves, shapes)]
+            n = len(tf.nest.flatten(ispec))
+            ispec = tf.nest.pack_sequence_as(ispec, fixed[:n])
+            lspec = tf.nest.pack_sequence_as(lspec, fixed[n:])
         if weights is None:
             return ispec, lspec, None
         weights = _with_batch(weights, batch)
         return ispec, (lspec, weights), weights
 
-    def _get(self, batch, *, apply_updates, weights=None) -> _Built:
+    def _get(self, batch, *, apply_updates, weights=None, shapes=None) -> _Built:
         cache = self._train if apply_updates else self._grads
         key = (batch, None if weights is None
                else (tuple(weights.shape.as_list()), weights.dtype.name))
+        if shapes is not None:
+            key += (shapes,)
         if key not in cache:
             if cache and self._opts["verbose"]:
-                what = f"batch size {batch}" + ("" if weights is None else
-                                                f", sample weights of shape {key[1][0]}")
+                what = _form(batch, shapes) + ("" if weights is None else
+                                               f", sample weights of shape {key[1][0]}")
                 print(f"tf-remat: {what} (a plan within the same budget is built for it)",
                       file=sys.stderr, flush=True)
             spec_batch = _first_dim(self.input_spec)
             try:
-                cache[key] = self._build(batch, apply_updates, weights)
+                cache[key] = self._build(batch, apply_updates, weights, shapes)
             except InfeasibleBudgetError as exc:
-                if batch == spec_batch:
+                if batch == spec_batch and shapes is None:
                     raise
                 # met inside model.fit, the bare message reads as if optimize's own budget
-                # were wrong: say which batch size does not fit, and the usual way out
-                raise InfeasibleBudgetError(
-                    f"batch size {batch} (optimize solved for {spec_batch}) does not fit the "
-                    f"budget: {exc}; or train at batch size {spec_batch} (fit's batch_size, "
-                    f"or the dataset's batches)", budget=exc.budget,
-                    min_feasible=exc.min_feasible, plan=exc.plan) from None
+                # were wrong: say which batch does not fit, and the usual way out
+                if shapes is None:
+                    msg = (f"batch size {batch} (optimize solved for {spec_batch}) does not fit "
+                           f"the budget: {exc}; or train at batch size {spec_batch} (fit's "
+                           f"batch_size, or the dataset's batches)")
+                else:
+                    msg = (f"{_form(batch, shapes)} (optimize solved for "
+                           f"{_form(spec_batch, _spec_shapes(self))}) does not fit the budget: "
+                           f"{exc}; or pad or crop the batches to the shapes optimize was given")
+                raise InfeasibleBudgetError(msg, budget=exc.budget,
+                                            min_feasible=exc.min_feasible,
+                                            plan=exc.plan) from None
         return cache[key]
 
-    def _build(self, batch, apply_updates, weights=None) -> _Built:
+    def _build(self, batch, apply_updates, weights=None, shapes=None) -> _Built:
         from tf_remat.extract import current_device_kind, extract, memory_stats_missing
         from tf_remat.rewrite import rewrite
 
@@ -562,10 +593,10 @@ class OptimizedStep:
             self._warn_once("unverified", f"tf-remat: the plan is not verified by measurement. "
                                           f"{unmeasurable}")
         t0 = time.perf_counter()
-        ispec, lspec, weights = self._specs(batch, weights)
+        ispec, lspec, weights = self._specs(batch, weights, shapes)
         # the plan given and the static order's timing are for the step optimize() builds
         primary = apply_updates and batch == _first_dim(self.input_spec) and (
-            (weights is None) == (o.get("sample_weight_spec") is None))
+            (weights is None) == (o.get("sample_weight_spec") is None)) and shapes is None
         ex = extract(self.model, input_spec=ispec, label_spec=lspec, loss=o["loss"],
                      optimizer=o["optimizer"], cost_model=o["cost_model"], verbose=verbose,
                      apply_updates=apply_updates,
@@ -647,9 +678,10 @@ class OptimizedStep:
             if given is not None and verbose:
                 donor = (f"{'the weighted' if given.info['reused_from_weighted'] else 'the'} "
                          f"step at batch size {given.info['reused_from_batch']}")
-                print(f"tf-remat: batch size {batch}{'' if weights is None else ', weighted,'} "
-                      f"runs the plan of {donor} (the same graph; simulated "
-                      f"{format_bytes(given.peak_memory)} here)", file=sys.stderr, flush=True)
+                print(f"tf-remat: {_form(batch, shapes)}"
+                      f"{'' if weights is None else ', weighted,'} runs the plan of {donor} "
+                      f"(the same graph; simulated {format_bytes(given.peak_memory)} here)",
+                      file=sys.stderr, flush=True)
         for attempt in range(_MAX_ATTEMPTS + _MAX_NO_PLAN if o["verify"] else 1):
             if sum(a["predicted"] is not None for a in attempts) >= _MAX_ATTEMPTS:
                 break
@@ -832,8 +864,8 @@ class OptimizedStep:
         wkey = None if weights is None else (tuple(weights.shape.as_list()),
                                               weights.dtype.name)
         cache = self._train if apply_updates else self._grads
-        for (batch, key), built in sorted(cache.items(),
-                                          key=lambda kv: (kv[0][1] != wkey, -kv[0][0])):
+        for (batch, key, *_), built in sorted(cache.items(),
+                                              key=lambda kv: (kv[0][1] != wkey, -kv[0][0])):
             donor = built.extraction.graph
             if donor.topology_digest != graph.topology_digest:
                 continue
@@ -853,17 +885,35 @@ class OptimizedStep:
 
         sizes = {}  # batch size -> the first tensor seen with it (named only on an error)
 
-        def cast(t, spec, where):
+        # what the model declares it takes (a functional model's Inputs; None: any size)
+        # (in the spec's order only where the spec is one tensor or a flat list of them: a
+        # dict's leaves flatten in key order)
+        try:
+            declared = [getattr(t, "shape", None) for t in self.model.inputs or ()]
+        except Exception:  # noqa: BLE001 (a subclassed model declares no inputs)
+            declared = []
+        flat = isinstance(self.input_spec, tf.TensorSpec) or (
+            isinstance(self.input_spec, (list, tuple)) and
+            all(isinstance(s, tf.TensorSpec) for s in self.input_spec))
+        if not flat or len(declared) != len(tf.nest.flatten(self.input_spec)):
+            declared = []
+
+        def cast(t, spec, where, takes=None):
             t = tf.convert_to_tensor(t)
             got, want = t.shape.as_list(), spec.shape.as_list()
-            # the rewritten step is static: another shape would run into a kernel that
-            # assumed the spec's (a reshape's "Input to reshape is a tensor with 960 values")
-            if len(got) != len(want) or got[1:] != want[1:]:
+            # the rewritten step is static: a batch of other shapes gets a step (and a plan)
+            # of its own (_other_shapes), but not another rank, nor a size the model's own
+            # input refuses (a reshape's "Input to reshape is a tensor with 960 values")
+            fits = takes is None or (len(takes) == len(got) and all(
+                d is None or d == g for d, g in zip(list(takes)[1:], got[1:])))
+            if len(got) != len(want) or None in got or not fits:
+                why = (f"the model's input takes {tuple(takes)}" if not fits else
+                       "a batch of another size or other dimensions gets a plan of its own, "
+                       "but it must have the spec's rank and a known shape")
                 raise ValueError(
                     f"{where} has shape {tuple(got)} where the step was built for "
-                    f"{tuple(want)}: the rewritten step is static, and only the batch size "
-                    f"(the first dimension; each one gets its own plan) may differ. Pad or "
-                    f"resize to that shape, or optimize(..., input_spec=..., label_spec=...) "
+                    f"{tuple(want)}: the rewritten step is static, and {why}. Reshape or pad "
+                    f"it to that shape, or optimize(..., input_spec=..., label_spec=...) "
                     f"with this one")
             if got:
                 sizes.setdefault(got[0], where)
@@ -878,9 +928,10 @@ class OptimizedStep:
                 raise ValueError(f"inputs do not match input_spec / label_spec: {exc}") \
                     from exc
             leaves, specs = tf.nest.flatten(v), tf.nest.flatten(spec)
+            takes = declared if what == "x" and declared else [None] * len(specs)
             return tf.nest.pack_sequence_as(spec, [
-                cast(t, s, _leaf_name(what, i, len(specs)))
-                for i, (t, s) in enumerate(zip(leaves, specs))])
+                cast(t, s, _leaf_name(what, i, len(specs)), d)
+                for i, (t, s, d) in enumerate(zip(leaves, specs, takes))])
 
         x = conform(x, self.input_spec, "x")
         y = conform(y, self.label_spec, "y")
@@ -1313,6 +1364,20 @@ def _first_dim(spec) -> int:
 
     s = tf.nest.flatten(spec)[0]
     return int(s.shape[0]) if s.shape.rank else 1
+
+
+def _form(batch, shapes) -> str:
+    """"batch size 8", or the shapes of a batch whose other dimensions differ from the specs."""
+    if shapes is None:
+        return f"batch size {batch}"
+    return "inputs and labels of shapes " + ", ".join(str(s) for s in shapes)
+
+
+def _spec_shapes(step):
+    import tensorflow as tf
+
+    return tuple(tuple(s.shape.as_list()) for s in
+                 tf.nest.flatten(step.input_spec) + tf.nest.flatten(step.label_spec))
 
 
 def _batch_of(x) -> int:
