@@ -1826,11 +1826,11 @@ class _Analysis:
 
         A loop passes its captured weights' handles on unchanged; a reader of such an output
         (the gradient's ``VariableShape``) reads the handle itself, so a plan need not hold
-        the loop's lists for it (the rewrite reads the handle too). A forward loop that may
-        run again (:func:`recomputable_loop`) waits, by TensorFlow's automatic control
-        edges, for nothing, but its weights' updates wait for it; where an update reads the
-        loop's results anyway (through the gradient), that edge orders nothing and, as an
-        edge of the graph, would hold the loop's lists until the update. The rewrite keeps
+        the loop's lists for it (the rewrite reads the handle too). TensorFlow's automatic
+        control edges make the updates of a loop's weights wait for the loop; where an update
+        of a loop that may run again (:func:`recomputable_loop`) reads the loop's results
+        anyway (through the gradient), that edge orders nothing and, as an edge of the graph,
+        would hold the loop's lists until the update. The rewrite keeps
         it on the op, where it names the newest copy. (A path through other control edges
         counts: an optimizer reads a slot after updating it by one.)"""
         for j, op in enumerate(self.ops):
