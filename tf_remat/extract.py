@@ -1610,7 +1610,7 @@ def loop_list_bytes(op) -> dict:
     if not variants:
         return {}
     try:
-        body = op.graph._get_function(op.get_attr("body").name).graph  # noqa: SLF001
+        body = _loop_function(op, "body")
     except Exception:  # noqa: BLE001 (no function body to read: leave the lists unsized)
         return {}
     if len(body.outputs) != len(op.outputs) or len(body.inputs) < len(op.outputs):

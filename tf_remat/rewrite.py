@@ -54,7 +54,7 @@ import time
 from typing import Any
 
 from tf_remat.errors import PlanError, RematError
-from tf_remat.extract import _is_side_effect, loop_resource_passthrough
+from tf_remat.extract import _VARIABLE_UPDATE_RE, _loop_function, loop_resource_passthrough
 from tf_remat.plan import Plan, concurrent_groups, simulate
 
 __all__ = ["RewrittenStep", "rewrite", "build_graph_def", "copy_name"]
@@ -392,7 +392,7 @@ def build_graph_def(traced, op_map, sequence, *, chain: str = "op", runs=None):
         for handle, read in value_reads.items():
             reads_of.setdefault(handle, []).append(read)
         for nd in out.node:
-            if not _writes_variables(nd.op):
+            if not _VARIABLE_UPDATE_RE.match(nd.op):
                 continue
             for r in nd.input:
                 if not r.startswith("^") and parse(r)[0] in reads_of:
@@ -590,11 +590,6 @@ def _fusion_partners(ops, by_name, parse):
     return found
 
 
-def _writes_variables(op_type: str) -> bool:
-    return op_type.startswith(("Assign", "ResourceApply", "ResourceSparseApply",
-                               "ResourceScatter")) or _is_side_effect(op_type)
-
-
 def _value_loop(out, c, op, ins, value_reads, loop_functions):
     """Make ``c``, a recomputed copy of the loop ``op``, read its weights as values.
 
@@ -607,8 +602,6 @@ def _value_loop(out, c, op, ins, value_reads, loop_functions):
     handles = loop_resource_passthrough(op)
     if not handles:
         return ins
-    from tf_remat.extract import _loop_function
-
     body = _loop_function(op, "body")
     reads = {}          # loop variable -> (dtype, shape) of the weight its body reads
     for k in handles:
