@@ -54,7 +54,8 @@ import time
 from typing import Any
 
 from tf_remat.errors import PlanError, RematError
-from tf_remat.extract import _VARIABLE_UPDATE_RE, _loop_function, loop_resource_passthrough
+from tf_remat.extract import (CHAIN_SUM, _VARIABLE_UPDATE_RE, _loop_function,
+                              loop_resource_passthrough)
 from tf_remat.plan import Plan, concurrent_groups, simulate
 
 __all__ = ["RewrittenStep", "rewrite", "build_graph_def", "copy_name"]
@@ -388,16 +389,13 @@ def build_graph_def(traced, op_map, sequence, *, chain: str = "op", runs=None):
         # the reads a recomputed loop takes run before their weights' updates, so a copy
         # after an update still computes with the step's weights (the update then copies the
         # weight's buffer, which the read still holds)
-        reads_of = {}
-        for handle, read in value_reads.items():
-            reads_of.setdefault(handle, []).append(read)
         for nd in out.node:
             if not _VARIABLE_UPDATE_RE.match(nd.op):
                 continue
-            for r in nd.input:
-                if not r.startswith("^") and parse(r)[0] in reads_of:
-                    nd.input.extend("^" + x for x in reads_of[parse(r)[0]]
-                                    if "^" + x not in nd.input)
+            for r in list(nd.input):
+                read = None if r.startswith("^") else value_reads.get(parse(r)[0])
+                if read is not None and "^" + read not in nd.input:
+                    nd.input.append("^" + read)
     # --- outputs: the newest copies
     outputs = []
     for t in op_map.outputs:
@@ -458,8 +456,6 @@ def _chain_tails(tails, members, by_name, readers, parse):
     that each term is added, and freed, before the next is computed, and the rewrite would
     turn it back into one ``AddN`` holding every term (a ``TimeDistributed`` input's eight
     slice gradients: 20.6 MiB requested under a 12.9 MiB plan)."""
-    from tf_remat.extract import CHAIN_SUM
-
     out = []
     for t in tails:
         nd = by_name[t]
