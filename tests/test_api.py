@@ -1167,9 +1167,10 @@ def test_sample_weight_spec_must_be_a_spec_with_a_batch_dimension():
 
 
 def test_an_overridden_train_step_is_named_in_a_warning():
-    """The rewritten step is traced from call, compute_loss and the optimizer, as Keras's own
-    train_step runs them; a model that overrides train_step must hear that its code is not
-    what fit will run. An override of compute_loss is what the step runs."""
+    """With ``train_step=False`` the rewritten step is traced from call, compute_loss and the
+    optimizer, as Keras's own train_step runs them; a model that overrides train_step must
+    hear that its code is not what fit will run. An override of compute_loss is what the step
+    runs."""
     class Custom(keras.Model):
         def train_step(self, data):
             return super().train_step(data)
@@ -1188,7 +1189,7 @@ def test_an_overridden_train_step_is_named_in_a_warning():
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             step = tf_remat.optimize(model, budget_gb=1.0, input_spec=xs, label_spec=ys,
-                                     verify=False, attach=False, **FAST)
+                                     verify=False, attach=False, train_step=False, **FAST)
         named = [w for w in caught if "overrides train_step" in str(w.message)]
         assert bool(named) == warned, [str(w.message) for w in caught]
         if warned:
@@ -1198,6 +1199,209 @@ def test_an_overridden_train_step_is_named_in_a_warning():
         else:
             x, y = tf.zeros((8, 16)), tf.zeros((8,), tf.int32)
             assert float(step(x, y)) > 10.0
+
+
+class AuxTrainStep(keras.Model):
+    """A train_step of the kind users write: an extra loss term on the outputs, metrics of its
+    own, logs of its own."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.aux = keras.metrics.Mean(name="aux")
+        self.accuracy = keras.metrics.SparseCategoricalAccuracy(name="accuracy")
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            aux = 1e-2 * tf.reduce_mean(tf.square(y_pred))
+            loss = self.compute_loss(y=y, y_pred=y_pred) + aux
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply(grads, self.trainable_variables)
+        self.aux.update_state(aux)
+        self.accuracy.update_state(y, y_pred)
+        return {"loss": loss, "aux": self.aux.result(), "accuracy": self.accuracy.result()}
+
+
+def bn_dropout_cnn(cls, batch=32, hw=16, width=32):
+    inp = keras.Input((hw, hw, 3))
+    h = keras.layers.Conv2D(width, 3, padding="same")(inp)
+    for _ in range(4):
+        # no bias before BatchNorm: its gradient is zero but for rounding, which Adam would
+        # scale up to whole steps of either sign
+        r = keras.layers.Conv2D(width, 3, padding="same", use_bias=False)(h)
+        h = keras.layers.Add()([h, keras.layers.ReLU()(keras.layers.BatchNormalization()(r))])
+    h = keras.layers.Dropout(0.3)(h)
+    out = keras.layers.Dense(10)(keras.layers.GlobalAveragePooling2D()(h))
+    return cls(inp, out), tf.TensorSpec((batch, hw, hw, 3)), tf.TensorSpec((batch,), tf.int32)
+
+
+def test_a_models_own_train_step_is_planned_and_trains_as_it_does():
+    """A model that overrides train_step gets that step planned (what model.fit runs): from the
+    same state, one rewritten step that recomputes leaves every variable (weights, optimizer
+    slots, BatchNorm statistics, the override's own metric, the dropout seed) as the override
+    run by TensorFlow leaves it, returns its logs, and fit shows them. Tolerances: see
+    test_rewrite (the step's convolution gradients are products, TensorFlow's are kernels)."""
+    from tf_remat.errors import UnsupportedOpError
+    from tf_remat.extract import extract
+
+    keras.utils.set_random_seed(5)
+    model, xs, ys = bn_dropout_cnn(AuxTrainStep)
+    model.compile(optimizer="adam",
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.optimizer.build(model.trainable_variables)
+    g = extract(model, input_spec=xs, label_spec=ys, cost_model="flops", verbose=0,
+                train_step=True).graph
+    budget = (g.budget_lower_bound + g.no_remat_peak) // 2
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step = tf_remat.optimize(model, budget_bytes=budget, input_spec=xs, label_spec=ys,
+                                 verify=False, **FAST)
+    assert not [w for w in caught if "train_step" in str(w.message)]
+    assert step.report["train_step"] and step.report["recomputed_nodes"] > 0
+    assert step.plan.peak_memory <= budget
+
+    x, y = (tf.constant(a) for a in data(xs, ys, seed=2))
+    reference = tf.function(model.train_step)
+    tracked = list({id(v): v for v in list(model.variables) + list(model.optimizer.variables)
+                    + list(model.metrics_variables)
+                    + list(step.rewritten.traced.variables)}.values())
+    snap = Snapshot(tracked)
+    try:
+        want = {k: float(v) for k, v in reference((x, y)).items()}
+        w1 = snap.now()
+        snap.restore()
+        got = step(x, y)
+        w2 = snap.now()
+    finally:
+        snap.restore()
+    assert set(got) == {"loss", "aux", "accuracy"}
+    for k in want:
+        assert np.isclose(float(got[k]), want[k], rtol=1e-5), (k, float(got[k]), want[k])
+    assert float(got["aux"]) > 0
+    for v, a, b in zip(tracked, w1, w2):
+        assert close(a, b, max(1.0, float(np.abs(a).max()))), (v.path, np.abs(a - b).max())
+
+    with pytest.raises(UnsupportedOpError, match="train_step=False"):
+        step.gradients(x, y)
+    with pytest.raises(UnsupportedOpError, match="leave loss= and optimizer= None"):
+        tf_remat.optimize(model, budget_bytes=budget, input_spec=xs, label_spec=ys,
+                          loss="mse", verify=False, attach=False, **FAST)
+
+    xt, yt = data(xs, ys, n=96, seed=3)
+    hist = model.fit(xt, yt, batch_size=32, epochs=2, verbose=0)
+    assert model.train_function == step._keras_train_function
+    assert set(hist.history) == {"loss", "aux", "accuracy"}
+    assert all(np.isfinite(hist.history["aux"]))
+    step.detach()
+
+
+def test_keras_own_train_step_traced_whole_updates_what_fit_would():
+    """``train_step=True`` on a model that does not override it plans Keras's own train_step,
+    loss tracker and compiled metrics included: one recomputing step gives the logs and leaves
+    the variables (metrics' included) as ``train_on_batch`` does."""
+    keras.utils.set_random_seed(7)
+    model, xs, ys = bn_dropout_cnn(keras.Model)
+    model.compile(optimizer="adam", metrics=["accuracy"], jit_compile=False,
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.optimizer.build(model.trainable_variables)
+    from tf_remat.extract import extract
+
+    g = extract(model, input_spec=xs, label_spec=ys, cost_model="flops", verbose=0,
+                train_step=True).graph
+    step = tf_remat.optimize(model, budget_bytes=(g.budget_lower_bound + g.no_remat_peak) // 2,
+                             input_spec=xs, label_spec=ys, verify=False, attach=False,
+                             train_step=True, **FAST)
+    assert step.report["train_step"] and step.report["recomputed_nodes"] > 0
+    x, y = (tf.constant(a) for a in data(xs, ys, seed=2))
+    tracked = list({id(v): v for v in list(model.variables) + list(model.optimizer.variables)
+                    + list(model.metrics_variables)
+                    + list(step.rewritten.traced.variables)}.values())
+    snap = Snapshot(tracked)
+    try:
+        want = model.train_on_batch(x, y, return_dict=True)
+        w1 = snap.now()
+        snap.restore()
+        got = step(x, y)
+        w2 = snap.now()
+    finally:
+        snap.restore()
+    assert set(got) == set(want) == {"loss", "accuracy"}, (got, want)
+    for k in want:
+        assert np.isclose(float(got[k]), float(want[k]), rtol=1e-5), (k, got[k], want[k])
+    for v, a, b in zip(tracked, w1, w2):
+        assert close(a, b, max(1.0, float(np.abs(a).max()))), (v.path, np.abs(a - b).max())
+
+
+class TwoTapes(keras.Model):
+    """Two updates in one train_step, each with a tape and an optimizer of its own, the second
+    reading the weights the first updated (as a GAN's generator step reads the updated
+    discriminator)."""
+
+    def __init__(self, head, **kwargs):
+        super().__init__(**kwargs)
+        self.body = keras.Sequential([keras.layers.Conv2D(16, 3, padding="same",
+                                                          activation="relu")
+                                      for _ in range(3)] + [keras.layers.BatchNormalization()])
+        self.head = head
+        self.body_optimizer = keras.optimizers.SGD(0.05, momentum=0.9)
+
+    def call(self, x, training=False):
+        return self.head(self.body(x, training=training))
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss1 = self.compute_loss(y=y, y_pred=self(x, training=True))
+        head = self.head.trainable_variables
+        self.optimizer.apply(tape.gradient(loss1, head), head)
+        with tf.GradientTape() as tape:
+            loss2 = self.compute_loss(y=y, y_pred=self(x, training=True))
+        body = self.body.trainable_variables
+        self.body_optimizer.apply(tape.gradient(loss2, body), body)
+        return {"loss": loss1, "loss2": loss2}
+
+
+def test_a_train_step_with_two_tapes_reads_the_weights_its_first_update_wrote():
+    """A train_step that updates the head, then computes a second loss with the updated head
+    and updates the body from it: the rewritten step, recomputing, gives both losses and every
+    variable as the override does; a copy of the second forward pass that read the head from
+    before its update would give another second loss."""
+    keras.utils.set_random_seed(6)
+    head = keras.Sequential([keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(10)])
+    model = TwoTapes(head)
+    xs, ys = tf.TensorSpec((32, 16, 16, 3)), tf.TensorSpec((32,), tf.int32)
+    model.compile(optimizer=keras.optimizers.SGD(0.5),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model(tf.zeros(xs.shape))
+    model.optimizer.build(model.head.trainable_variables)
+    model.body_optimizer.build(model.body.trainable_variables)
+    from tf_remat.extract import extract
+
+    g = extract(model, input_spec=xs, label_spec=ys, cost_model="flops", verbose=0,
+                train_step=True).graph
+    step = tf_remat.optimize(model, budget_bytes=(g.budget_lower_bound + g.no_remat_peak) // 2,
+                             input_spec=xs, label_spec=ys, verify=False, attach=False, **FAST)
+    assert step.report["recomputed_nodes"] > 0
+    x, y = (tf.constant(a) for a in data(xs, ys, seed=2))
+    tracked = list({id(v): v for v in list(model.variables) + list(model.optimizer.variables)
+                    + list(model.body_optimizer.variables)
+                    + list(step.rewritten.traced.variables)}.values())
+    snap = Snapshot(tracked)
+    try:
+        want = {k: float(v) for k, v in tf.function(model.train_step)((x, y)).items()}
+        w1 = snap.now()
+        snap.restore()
+        got = {k: float(v) for k, v in step(x, y).items()}
+        w2 = snap.now()
+    finally:
+        snap.restore()
+    # the second loss is of the updated head: a step that read the old one would give the first
+    assert abs(want["loss2"] - want["loss"]) > 1e-3 * abs(want["loss"])
+    for k in want:
+        assert np.isclose(got[k], want[k], rtol=1e-5), (k, got[k], want[k])
+    for v, a, b in zip(tracked, w1, w2):
+        assert close(a, b, max(1.0, float(np.abs(a).max()))), (v.path, np.abs(a - b).max())
 
 
 def test_a_step_kept_within_the_budget_but_not_the_margin_says_so(monkeypatch):

@@ -112,7 +112,8 @@ def optimize(model, budget_gb: float | None = None, *, budget_bytes: int | None 
              time_limit: float | None = 60.0, verbose: int = 1, cost_model: str = "profile",
              verify: bool = True, attach: bool = True, chain: str = "node",
              plan=None, time_order: bool = True,
-             sample_weight_spec=None, _probe: bool = False) -> "OptimizedStep":
+             sample_weight_spec=None, train_step: bool | None = None,
+             _probe: bool = False) -> "OptimizedStep":
     """Rematerialize ``model``'s training step to fit ``budget_gb`` GiB of peak memory.
 
     Args:
@@ -158,6 +159,13 @@ def optimize(model, budget_gb: float | None = None, *, budget_bytes: int | None 
             ``model.fit(sample_weight=...)`` does, so ``fit`` with weights trains with it (a
             call without weights runs it with weights of one, which weigh as none). Without
             it, the first step called with weights gets its own plan, solved then.
+        train_step: trace the model's own ``train_step`` (True), the step ``model.fit`` runs
+            with everything its override does (other losses, several tapes, its own metrics),
+            or Keras's default step from ``model(x, training=True)``, ``compute_loss`` and the
+            optimizer (False). None (the default): the model's own when its class overrides
+            Keras's ``train_step``. With a ``train_step``, ``loss`` and ``optimizer`` must be
+            None (it uses the compiled ones), ``step(x, y)`` returns its logs, and
+            ``step.gradients`` is not available (the update is the step's own).
 
     Returns:
         An :class:`OptimizedStep`: ``step(x, y)`` runs one training step (optimizer update
@@ -208,9 +216,12 @@ def optimize(model, budget_gb: float | None = None, *, budget_bytes: int | None 
     given = _given_plan(plan)  # a missing or malformed file fails before any tracing
     if sample_weight_spec is not None:
         sample_weight_spec = _weight_spec(sample_weight_spec)
+    if train_step is None:
+        train_step = _custom_train_step(model) is not None
     opts = dict(loss=loss, optimizer=optimizer, strategy=strategy, time_limit=time_limit,
                 verbose=verbose, cost_model=cost_model, verify=verify, chain=chain, plan=given,
-                time_order=time_order, sample_weight_spec=sample_weight_spec, probe=_probe)
+                time_order=time_order, sample_weight_spec=sample_weight_spec, probe=_probe,
+                train_step=bool(train_step))
     step = OptimizedStep(model, budget, input_spec, label_spec, opts)
     step._primary()  # extract, solve, rewrite, verify; raises before any change to the model
     if verbose:
@@ -280,16 +291,23 @@ class OptimizedStep:
 
     # ------------------------------------------------------------ public
     def __call__(self, x, y, sample_weight=None):
-        """One training step on ``(x, y)`` (optimizer update included); returns the loss.
+        """One training step on ``(x, y)`` (optimizer update included); returns the loss (a
+        model's own ``train_step``, see ``optimize``: what it returns, its logs).
         ``sample_weight``: per-sample weights of the loss, as in ``model.fit``."""
         return self._run(x, y, sample_weight)[0]
 
     def _run(self, x, y, sample_weight=None):
         """One training step; ``(loss, y_pred or None)`` (y_pred when the model has compiled
-        metrics: the step then returns the model's outputs too)."""
+        metrics: the step then returns the model's outputs too), or ``(logs, None)`` for a
+        model's own ``train_step``."""
         b, args = self._prepare(x, y, sample_weight, apply_updates=True)
         out = b.step(*args)
         traced = b.extraction.traced
+        if traced.logs is not None:
+            import tensorflow as tf
+
+            out = list(out) if isinstance(out, (list, tuple)) else [out]
+            return tf.nest.pack_sequence_as(traced.logs, out), None
         if not traced.n_predictions:
             return out, None
         import tensorflow as tf
@@ -303,7 +321,18 @@ class OptimizedStep:
         The variables are not updated by the optimizer; the forward pass's own state updates
         (BatchNorm moving statistics, dropout seed) happen, as in a training step. Built (and
         solved within the same budget) on first use.
+
+        Raises:
+            UnsupportedOpError: the step is the model's own ``train_step``, which applies its
+                update itself (``optimize(..., train_step=False)`` plans Keras's default step,
+                whose gradients this gives).
         """
+        if self._opts.get("train_step"):
+            raise UnsupportedOpError(
+                f"step.gradients: the step optimized is {type(self.model).__name__}.train_step, "
+                f"whose gradients are taken and applied inside it; optimize(..., "
+                f"train_step=False) plans Keras's default step (model call, compute_loss, "
+                f"gradients), whose gradients step.gradients gives")
         b, args = self._prepare(x, y, sample_weight, apply_updates=False)
         out = b.step(*args)
         return list(out[1:])
@@ -352,6 +381,8 @@ class OptimizedStep:
             # the budget: other allocation histories may put it over)
             rep["margin_met"] = b.target is None or rep["measured_peak_bytes"] <= b.target
         rep["verified"] = b.measured is not None
+        # whether the step is the model's own train_step (optimize's train_step)
+        rep["train_step"] = bool(self._opts.get("train_step"))
         rep.update({"solve_budget_bytes": b.solve_budget, "nodes": graph.n,
                     "recomputed_nodes": sum(1 for c in counts if c > 1),
                     "attempts": len(b.attempts),
@@ -436,7 +467,7 @@ class OptimizedStep:
         object.__setattr__(model, "_tf_remat_step", self)
         model.train_function = None
         self._attached = True
-        if _has_compiled_metrics(model) and not \
+        if _has_compiled_metrics(model) and not self._opts.get("train_step") and not \
                 self._primary().extraction.traced.n_predictions:
             self._warn_once("metrics", "tf-remat: the model was compiled with metrics after "
                                        "optimize(); they are not updated by the rewritten step "
@@ -471,12 +502,16 @@ class OptimizedStep:
                 break
             x, y, sw = data_adapter_utils.unpack_x_y_sample_weight(data)
             loss, y_pred = self._run(x, y, sw)
+            if self._opts.get("train_step"):
+                continue  # its own step updated its trackers and metrics: loss is its logs
             tracker = getattr(model, "_loss_tracker", None)
             if tracker is not None:
                 n = tf.shape(tf.nest.flatten(x)[0])[0]
                 tracker.update_state(loss, sample_weight=n)
             if y_pred is not None:
                 metrics = model.compute_metrics(x, y, y_pred, sample_weight=sw)
+        if self._opts.get("train_step"):
+            return loss
         if y_pred is not None:
             return metrics
         tracker = getattr(model, "_loss_tracker", None)
@@ -598,8 +633,9 @@ class OptimizedStep:
         ex = extract(self.model, input_spec=ispec, label_spec=lspec, loss=o["loss"],
                      optimizer=o["optimizer"], cost_model=o["cost_model"], verbose=verbose,
                      apply_updates=apply_updates,
-                     return_predictions=apply_updates and _has_compiled_metrics(self.model),
-                     weighted=weights is not None)
+                     return_predictions=apply_updates and _has_compiled_metrics(self.model)
+                     and not o["train_step"],
+                     weighted=weights is not None, train_step=o["train_step"])
         t1 = time.perf_counter()
         graph = ex.graph
         budget = self.budget_bytes
@@ -607,17 +643,17 @@ class OptimizedStep:
         if loops:
             self._warn_once("loops", f"tf-remat: {_loops_note(loops)}")
         custom = _custom_train_step(self.model)
-        if custom:
-            # what the step runs is traced from the model's call, compute_loss and optimizer,
-            # as Keras's own train_step runs them; code in an override would be skipped silently
-            self._warn_once("train_step", f"tf-remat: {custom} overrides train_step; the "
-                                          f"rewritten step (and model.fit with it attached) "
-                                          f"runs Keras's default step instead: model(x, "
-                                          f"training=True), compute_loss (which may be "
-                                          f"overridden), the gradients and "
-                                          f"optimizer.apply_gradients. Put custom loss terms in "
-                                          f"compute_loss or add_loss, or optimize(..., "
-                                          f"attach=False) to keep fit on your train_step")
+        if custom and not o["train_step"]:
+            # train_step=False: the step is traced from the model's call, compute_loss and
+            # optimizer, as Keras's own train_step runs them; the override's code is not run
+            self._warn_once("train_step", f"tf-remat: {custom} overrides train_step, and "
+                                          f"optimize(..., train_step=False) planned Keras's "
+                                          f"default step instead (model.fit with it attached "
+                                          f"runs that): model(x, training=True), compute_loss "
+                                          f"(which may be overridden), the gradients and "
+                                          f"optimizer.apply_gradients. train_step=None plans "
+                                          f"the override, or optimize(..., attach=False) keeps "
+                                          f"fit on it")
         if getattr(self.model, "compiled", False) and \
                 getattr(self.model, "jit_compile", False) is True:
             # XLA would reorder the plan's ops and merge its copies back into the originals

@@ -156,6 +156,9 @@ class TracedStep:
             (after the gradients, if any); None otherwise.
         weighted: whether the labels are ``(y, sample_weight)`` (see
             :func:`trace_training_step`).
+        logs: with ``train_step``, the structure the model's ``train_step`` returned (symbolic
+            tensors of ``function.graph``); the step returns ``tf.nest.flatten`` of it. None
+            otherwise.
     """
 
     function: Any
@@ -173,6 +176,7 @@ class TracedStep:
     phase_marks: tuple = (0, 0)
     predictions: Any = None
     weighted: bool = False
+    logs: Any = None
 
     @property
     def n_predictions(self) -> int:
@@ -334,7 +338,7 @@ def _check_no_distribution(model) -> None:
 def trace_training_step(model, input_spec, label_spec, *, loss=None, optimizer=None,
                         apply_updates: bool = True, return_predictions: bool = False,
                         conv_gradients: str | None = None,
-                        weighted: bool = False) -> TracedStep:
+                        weighted: bool = False, train_step: bool = False) -> TracedStep:
     """Trace one training step of ``model`` as a ``tf.function`` with fixed input shapes.
 
     Args:
@@ -356,6 +360,12 @@ def trace_training_step(model, input_spec, label_spec, *, loss=None, optimizer=N
         weighted: the labels are a pair ``(y, sample_weight)`` and the loss weighs each sample
             as ``model.fit(sample_weight=...)`` (or ``class_weight=``) would: ``label_spec`` is
             then ``(spec of y, spec of the weights)``.
+        train_step: trace ``model.train_step`` itself, the step ``model.fit`` runs (a
+            subclass's override included: its own losses, gradients, updates and metrics), on
+            ``(x, y)`` or ``(x, y, sample_weight)``; the step returns its logs flattened (see
+            ``TracedStep.logs``). Its loss and optimizer are the model's: ``loss`` and
+            ``optimizer`` must be None, and the model compiled. Every ``tf.GradientTape``
+            gradient it takes gets the convolution gradients and the edits below.
 
     Returns:
         A :class:`TracedStep`. Nothing is run, and no variable changes value.
@@ -374,7 +384,11 @@ def trace_training_step(model, input_spec, label_spec, *, loss=None, optimizer=N
     check_specs(input_spec, label_spec)
     _check_no_distribution(model)
     _build_model(model, input_spec)
-    loss_fn, compiled_loss = _resolve_loss(model, loss)
+    if train_step:
+        _check_train_step(model, loss, optimizer, apply_updates)
+        loss_fn, compiled_loss = None, True
+    else:
+        loss_fn, compiled_loss = _resolve_loss(model, loss)
     if optimizer is None:
         optimizer = getattr(model, "optimizer", None)
         if optimizer is None:
@@ -411,6 +425,48 @@ def trace_training_step(model, input_spec, label_spec, *, loss=None, optimizer=N
     # 0). Rows hit by several ids differ: Keras squares each occurrence's slice before summing
     densify = {"on": False, "sparse": False}
 
+    def edited(take):
+        """The gradients ``take()`` traces, with the convolution gradients of
+        :func:`_matmul_conv_gradients` and the edits below (on the ops it adds)."""
+        start = _n_ops()
+        marks.setdefault("forward", start)
+        with _matmul_conv_gradients(patch_filters):
+            grads = take()
+        flat = tf.nest.flatten(grads)
+        if sink:
+            try:
+                flat = _sink_broadcasts(tf.compat.v1.get_default_graph(), start, flat)
+            except (ValueError, TypeError, KeyError, tf.errors.OpError) as exc:
+                # every edit leaves a graph of the same values (a new reader computes what the
+                # old one did), so a failure midway costs memory, never correctness
+                warn(f"tf-remat: BatchNorm-style broadcast gradients left as "
+                     f"TensorFlow builds them ({type(exc).__name__}: {exc})")
+            try:
+                flat = _chain_sums(tf.compat.v1.get_default_graph(), start, flat)
+            except (ValueError, TypeError, KeyError, tf.errors.OpError) as exc:
+                warn(f"tf-remat: gradient sums left as TensorFlow builds them "
+                     f"({type(exc).__name__}: {exc})")
+        densify["sparse"] = densify["sparse"] or any(
+            isinstance(g, tf.IndexedSlices) for g in flat)
+        marks["backward"] = _n_ops()
+        return tf.nest.pack_sequence_as(grads, list(flat))
+
+    def model_step(x, y):
+        # the step model.fit runs: the model's train_step on (x, y[, sample_weight])
+        data = (x, *y) if weighted else (x, y)
+        with _tape_gradients(edited, densify):
+            logs = model.train_step(data)
+        logs = tf.nest.map_structure(tf.convert_to_tensor, logs)
+        if not tf.nest.flatten(logs):
+            raise UnsupportedOpError(f"{type(model).__name__}.train_step returned no tensors "
+                                     f"(Keras's returns its metrics' results): return the "
+                                     f"loss at least, e.g. {{'loss': loss}}")
+        if "forward" not in marks:
+            raise UnsupportedOpError(f"{type(model).__name__}.train_step took no gradient with "
+                                     f"tf.GradientTape: tf-remat plans a step that does")
+        marks["logs"] = logs
+        return tuple(tf.nest.flatten(logs))
+
     def step(x, y):
         sw = None
         if weighted:
@@ -427,29 +483,11 @@ def trace_training_step(model, input_spec, label_spec, *, loss=None, optimizer=N
                     value = value + tf.add_n([tf.cast(v, value.dtype) for v in model.losses])
             scaled = optimizer.scale_loss(value) if (
                 optimizer is not None and hasattr(optimizer, "scale_loss")) else value
-        marks["forward"] = _n_ops()
-        with _matmul_conv_gradients(patch_filters):
-            grads = tape.gradient(scaled, trainable)
-        if sink:
-            try:
-                grads = _sink_broadcasts(tf.compat.v1.get_default_graph(), marks["forward"],
-                                         grads)
-            except (ValueError, TypeError, KeyError, tf.errors.OpError) as exc:
-                # every edit leaves a graph of the same values (a new reader computes what the
-                # old one did), so a failure midway costs memory, never correctness
-                warn(f"tf-remat: BatchNorm-style broadcast gradients left as "
-                     f"TensorFlow builds them ({type(exc).__name__}: {exc})")
-            try:
-                grads = _chain_sums(tf.compat.v1.get_default_graph(), marks["forward"], grads)
-            except (ValueError, TypeError, KeyError, tf.errors.OpError) as exc:
-                warn(f"tf-remat: gradient sums left as TensorFlow builds them "
-                     f"({type(exc).__name__}: {exc})")
-        marks["backward"] = _n_ops()
+        grads = edited(lambda: tape.gradient(scaled, trainable))
         preds = ()
         if return_predictions:
             marks["predictions"] = y_pred
             preds = tuple(tf.nest.flatten(y_pred))
-        densify["sparse"] = any(isinstance(g, tf.IndexedSlices) for g in grads)
         if apply_updates:
             if densify["on"]:
                 grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
@@ -463,9 +501,13 @@ def trace_training_step(model, input_spec, label_spec, *, loss=None, optimizer=N
         return (value, *grads, *preds)
 
     def trace():
+        densify["sparse"] = False
         try:
-            return tf.function(step, autograph=False).get_concrete_function(input_spec,
-                                                                             label_spec)
+            # a train_step is traced as Keras traces it for fit: with autograph, which its
+            # Python control flow over tensors may need
+            fn = tf.function(model_step, autograph=True) if train_step else \
+                tf.function(step, autograph=False)
+            return fn.get_concrete_function(input_spec, label_spec)
         except (TypeError, ValueError) as exc:
             raise UnsupportedOpError(f"tracing the training step failed: {exc}") from exc
 
@@ -497,7 +539,49 @@ def trace_training_step(model, input_spec, label_spec, *, loss=None, optimizer=N
                       apply_updates=apply_updates, captures=captures,
                       input_ops=tuple(placeholders[:n_x]), label_ops=tuple(placeholders[n_x:]),
                       phase_marks=(marks.get("forward", 0), marks.get("backward", 0)),
-                      predictions=marks.get("predictions"), weighted=weighted)
+                      predictions=marks.get("predictions"), weighted=weighted,
+                      logs=marks.get("logs"))
+
+
+def _check_train_step(model, loss, optimizer, apply_updates):
+    """What tracing ``model.train_step`` needs (see :func:`trace_training_step`)."""
+    name = type(model).__name__
+    if not apply_updates:
+        raise UnsupportedOpError(f"{name}.train_step applies its own update: a gradients-only "
+                                 f"step cannot be taken from it")
+    if loss is not None or optimizer is not None:
+        raise UnsupportedOpError(f"{name}.train_step computes its loss and update with the "
+                                 f"model's own (model.compile's loss and optimizer): leave "
+                                 f"loss= and optimizer= None, or trace Keras's default step "
+                                 f"from them (train_step=False)")
+    if not getattr(model, "compiled", False) or getattr(model, "optimizer", None) is None:
+        raise UnsupportedOpError(f"{name}.train_step trains with model.optimizer: compile the "
+                                 f"model first (model.compile(optimizer=..., ...))")
+
+
+@contextlib.contextmanager
+def _tape_gradients(edited, densify):
+    """While tracing a model's ``train_step``, every ``tf.GradientTape.gradient`` it calls
+    goes through ``edited`` (:func:`trace_training_step`'s gradient edits); an embedding's
+    IndexedSlices are made dense when ``densify["on"]``."""
+    import tensorflow as tf
+
+    cls = tf.GradientTape
+    original = cls.gradient
+
+    def gradient(tape, target, sources, *args, **kwargs):
+        grads = edited(lambda: original(tape, target, sources, *args, **kwargs))
+        if densify["on"]:
+            grads = tf.nest.map_structure(
+                lambda g: tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g,
+                grads)
+        return grads
+
+    cls.gradient = gradient
+    try:
+        yield
+    finally:
+        cls.gradient = original
 
 
 def _update_has_unknown_shapes(graph, after: int) -> bool:
@@ -511,12 +595,13 @@ def _update_has_unknown_shapes(graph, after: int) -> bool:
 def extract(model, *, input_spec, label_spec, loss=None, optimizer=None,
             cost_model: str = "profile", batch_size: int | None = None, verbose: int = 1,
             apply_updates: bool = True, name: str | None = None,
-            return_predictions: bool = False, weighted: bool = False) -> Extraction:
+            return_predictions: bool = False, weighted: bool = False,
+            train_step: bool = False) -> Extraction:
     """Trace a training step and turn it into a costed solver :class:`Graph` plus its op map.
 
     Args:
         model, input_spec, label_spec, loss, optimizer, apply_updates, return_predictions,
-            weighted: as in :func:`trace_training_step`.
+            weighted, train_step: as in :func:`trace_training_step`.
         cost_model: ``"profile"`` (each node's ops measured on the current device, GPU if
             TensorFlow sees one, cached on disk; see :mod:`tf_remat.profile`) or ``"flops"`` (an
             estimate from FLOPs and bytes moved, no measurement; coarse, for machines where
@@ -542,7 +627,8 @@ def extract(model, *, input_spec, label_spec, loss=None, optimizer=None,
     t0 = time.perf_counter()
     traced = trace_training_step(model, input_spec, label_spec, loss=loss, optimizer=optimizer,
                                  apply_updates=apply_updates,
-                                 return_predictions=return_predictions, weighted=weighted)
+                                 return_predictions=return_predictions, weighted=weighted,
+                                 train_step=train_step)
     t1 = time.perf_counter()
     analysis = _Analysis(traced)
     op_map, graph_fields = analysis.build()
