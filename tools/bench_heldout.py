@@ -825,6 +825,64 @@ VARIANTS = {
 }
 
 
+def _rdrop_class():
+    import keras
+    import tensorflow as tf
+
+    class RDrop(keras.Model):
+        """A train_step of its own: two dropout passes of the batch under one tape (R-Drop),
+        their losses and the squared distance of their logits, gradients clipped by their
+        global norm, a metric of its own."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.consistency = keras.metrics.Mean(name="consistency")
+            self.accuracy = keras.metrics.SparseCategoricalAccuracy(name="accuracy")
+
+        def train_step(self, data):
+            x, y = data[0], data[1]
+            with tf.GradientTape() as tape:
+                a = self(x, training=True)
+                b = self(x, training=True)
+                gap = tf.reduce_mean(tf.square(a - b))
+                loss = 0.5 * (self.compute_loss(y=y, y_pred=a) +
+                              self.compute_loss(y=y, y_pred=b)) + 0.5 * gap
+            grads = tape.gradient(loss, self.trainable_variables)
+            grads, _ = tf.clip_by_global_norm(grads, 5.0)
+            self.optimizer.apply(grads, self.trainable_variables)
+            self.consistency.update_state(gap)
+            self.accuracy.update_state(y, a)
+            return {"loss": loss, "consistency": self.consistency.result(),
+                    "accuracy": self.accuracy.result()}
+
+    return RDrop
+
+
+def rdrop(batch=32, hw=32):
+    """A residual CNN (BatchNorm, Dropout, strided projections) whose class overrides
+    train_step (:func:`_rdrop_class`): what is planned is that step, two forward passes in it."""
+    import keras
+    import tensorflow as tf
+
+    inp = keras.Input((hw, hw, 3))
+    h = keras.layers.Conv2D(32, 3, padding="same", use_bias=False)(inp)
+    for width, stride in ((32, 1), (64, 2), (64, 1), (128, 2)):
+        r = keras.layers.Activation("relu")(keras.layers.BatchNormalization()(h))
+        s = h if stride == 1 and h.shape[-1] == width else \
+            keras.layers.Conv2D(width, 1, strides=stride, use_bias=False)(r)
+        r = keras.layers.Conv2D(width, 3, strides=stride, padding="same", use_bias=False)(r)
+        r = keras.layers.Activation("relu")(keras.layers.BatchNormalization()(r))
+        r = keras.layers.Dropout(0.2)(r)
+        r = keras.layers.Conv2D(width, 3, padding="same", use_bias=False)(r)
+        h = keras.layers.Add()([r, s])
+    h = keras.layers.GlobalAveragePooling2D()(keras.layers.BatchNormalization()(h))
+    out = keras.layers.Dense(10)(keras.layers.Dropout(0.3)(h))
+    model = _rdrop_class()(inp, out, name="rdrop")
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  optimizer=keras.optimizers.Adam(1e-3))
+    return model, tf.TensorSpec((batch, hw, hw, 3)), tf.TensorSpec((batch,), tf.int32)
+
+
 def _application(factory, hw, batch, optimizer):
     """A ``keras.applications`` model (weights=None) at a CPU-sized input and batch: sizes
     where activations, not the weights and optimizer slots, make up most of the step (at 64
@@ -861,7 +919,7 @@ MODELS = {"resdrop": resdrop, "unet_bn": unet_bn, "densenet": densenet,
           "gptmini": gptmini,
           "grouped": grouped, "regnet": regnet, "resmlp": resmlp,
           "subclassed": subclassed, "augment": augment, "mixed": mixed, "gru": gru,
-          "timedist": timedist, "deep_rnn": deep_rnn,
+          "timedist": timedist, "deep_rnn": deep_rnn, "rdrop": rdrop,
           **VARIANTS, **APPLICATIONS}
 
 
@@ -913,7 +971,7 @@ def _data(xs, ys, model, n=None, seed=0):
     return x, tf.nest.map_structure(label, ys)
 
 
-def _rounding_spread(gref, x, y) -> float:
+def _rounding_spread(run, variables, x, y) -> float:
     """How far the plain step's gradients move when the input values move by at most one
     float32 rounding step (each times 1 + eps/2 with a random sign, which float32 makes one
     unit in the last place down or no change): the scale of float32 rounding in this
@@ -924,13 +982,13 @@ def _rounding_spread(gref, x, y) -> float:
     import numpy as np
     import tensorflow as tf
 
-    saved = [np.array(v.numpy(), copy=True) for v in gref.variables]
+    saved = [np.array(v.numpy(), copy=True) for v in variables]
 
     def grads(inputs):
         try:  # the seed generators advance each call: the same dropout masks for both
-            return [t.numpy() for t in gref.function(inputs, y)[1:]]
+            return run(inputs, y)
         finally:
-            for v, s in zip(gref.variables, saved):
+            for v, s in zip(variables, saved):
                 v.assign(s)
 
     def nudge(t):
@@ -966,7 +1024,7 @@ def run_case(name, fractions, time_limit, plans=None, weighted=False):
     import tensorflow as tf
 
     import tf_remat
-    from tf_remat.api import measure_step_peak
+    from tf_remat.api import _custom_train_step, measure_step_peak
     from tf_remat.errors import InfeasibleBudgetError
     from tf_remat.extract import trace_training_step
 
@@ -974,17 +1032,21 @@ def run_case(name, fractions, time_limit, plans=None, weighted=False):
 
     keras.utils.set_random_seed(1)
     model, xs, ys = MODELS[name]()
-    ref = trace_training_step(model, xs, ys, conv_gradients="tensorflow")
+    # a model's own train_step is what optimize plans and fit runs: the plain step is it, and
+    # its update (it takes and applies its gradients inside) is compared in place of gradients
+    own = _custom_train_step(model) is not None
+    ref = trace_training_step(model, xs, ys, conv_gradients="tensorflow", train_step=own)
     xa, ya = _data(xs, ys, model)
     x, y = tf.nest.map_structure(tf.constant, (xa, ya))
     # --weighted: the step solved with per-sample weights, checked against Keras's weighted
     # step (the plain peak, and so the budget, stays the unweighted step's)
     wspec = tf.TensorSpec((_batch(xs),)) if weighted else None
     w = tf.constant(np.linspace(0.2, 2.0, _batch(xs)), tf.float32) if weighted else None
-    gref = trace_training_step(model, xs, (ys, wspec) if weighted else ys, apply_updates=False,
-                               conv_gradients="tensorflow", weighted=weighted)
+    gref = None if own else trace_training_step(
+        model, xs, (ys, wspec) if weighted else ys, apply_updates=False,
+        conv_gradients="tensorflow", weighted=weighted)
     wref = trace_training_step(model, xs, (ys, wspec), conv_gradients="tensorflow",
-                               weighted=True) if weighted else ref
+                               weighted=True, train_step=own) if weighted else ref
     yw = (y, w) if weighted else y
     base_runs = [measure_step_peak(ref.function, x, y, variables=ref.variables)
                  for _ in range(3)]
@@ -992,7 +1054,17 @@ def run_case(name, fractions, time_limit, plans=None, weighted=False):
     out = {"model": name, "batch": _batch(xs), "params": int(model.count_params()),
            "baseline_peak": base, "baseline_peaks": [r["step_peak_bytes"] for r in base_runs],
            "rows": []}
-    out["rounding"] = _rounding_spread(gref, x, yw)
+    if own:
+        def run(inputs, labels):
+            # what one step of the model's own train_step changes
+            w0 = [v.numpy() for v in model.trainable_variables]
+            wref.function(inputs, labels)
+            return [v.numpy() - a for v, a in zip(model.trainable_variables, w0)]
+        out["rounding"] = _rounding_spread(run, wref.variables, x, yw)
+    else:
+        out["rounding"] = _rounding_spread(
+            lambda inputs, labels: [t.numpy() for t in gref.function(inputs, labels)[1:]],
+            gref.variables, x, yw)
     start = [np.array(v.numpy(), copy=True) for v in model.variables]
     for frac in fractions:
         budget = int(frac * base)
@@ -1017,7 +1089,8 @@ def run_case(name, fractions, time_limit, plans=None, weighted=False):
         big = max(step.graph.memory)
         row["fresh"] = max(step.measure(x, y)["step_peak_bytes"] for _ in range(3))
         # gradients and BatchNorm statistics against the plain step, same state and batch
-        variables = list({id(v): v for v in list(ref.variables) + list(gref.variables) +
+        variables = list({id(v): v for v in list(ref.variables) +
+                          list(gref.variables if gref is not None else []) +
                           list(wref.variables) +
                           list(step.rewritten.traced.variables)}.values())
         snap = [np.array(v.numpy(), copy=True) for v in variables]
@@ -1026,9 +1099,18 @@ def run_case(name, fractions, time_limit, plans=None, weighted=False):
             for v, s in zip(variables, snap):
                 v.assign(s)
 
-        g1 = [t.numpy() for t in gref.function(x, yw)[1:]]
-        restore()
-        g2 = [t.numpy() for t in step.gradients(x, y, sample_weight=w)]
+        if own:
+            # the updates: each trainable variable's change in one step of each
+            w0 = [v.numpy() for v in model.trainable_variables]
+            wref.function(x, yw)
+            g1 = [v.numpy() - a for v, a in zip(model.trainable_variables, w0)]
+            restore()
+            step(x, y, sample_weight=w)
+            g2 = [v.numpy() - a for v, a in zip(model.trainable_variables, w0)]
+        else:
+            g1 = [t.numpy() for t in gref.function(x, yw)[1:]]
+            restore()
+            g2 = [t.numpy() for t in step.gradients(x, y, sample_weight=w)]
         restore()
         scale = max(float(np.abs(g).max()) for g in g1)
         row["grad_err"] = max(float(np.abs(a - b).max()) for a, b in zip(g1, g2)) / scale
@@ -1073,7 +1155,7 @@ def first_call_case(name, frac, time_limit):
     import tensorflow as tf
 
     import tf_remat
-    from tf_remat.api import measure_step_peak
+    from tf_remat.api import _custom_train_step, measure_step_peak
     from tf_remat.extract import trace_training_step
 
     import keras
@@ -1082,7 +1164,8 @@ def first_call_case(name, frac, time_limit):
     model, xs, ys = MODELS[name]()
     xa, ya = _data(xs, ys, model)
     model.train_on_batch(xa, ya)
-    ref = trace_training_step(model, xs, ys, conv_gradients="tensorflow")
+    ref = trace_training_step(model, xs, ys, conv_gradients="tensorflow",
+                              train_step=_custom_train_step(model) is not None)
     x, y = tf.nest.map_structure(tf.constant, (xa, ya))
     base = int(statistics.median(
         measure_step_peak(ref.function, x, y, variables=ref.variables)["step_peak_bytes"]
@@ -1156,13 +1239,15 @@ NOTES = """\
   held tensors of odd sizes, **first call** the step's first call after `optimize` in another
   process where Keras's own `train_on_batch` ran first (its own plain peak and budget).
   **worst/budget** is the largest; "(slack)" marks 1.00-1.05, within the check's 5% slack.
-* **grad err**: max |g_rewritten - g_plain| over all gradients over the largest gradient value;
+* **grad err**: max |g_rewritten - g_plain| over all gradients over the largest gradient value
+  (for a model whose class overrides `train_step`, `rdrop`, which `optimize` plans whole:
+  the change of every trainable variable in one step of each, over the largest change);
   **BN stats err**: max |difference| of the BatchNorm moving statistics after one step of
   each, over the largest statistic (float32 reassociation: ~1e-7 .. 1e-5 expected).
   **rounding**: how far the plain step's gradients move (same measure as grad err) when every
   input value moves by at most one float32 rounding step (about half of them by one unit in
   the last place): the size of rounding in this model's
-  gradients, which a step that sums in another order can reach. **fit**:
+  gradients (`rdrop`: in its update), which a step that sums in another order can reach. **fit**:
   `model.fit` with the rewritten step gave finite losses.
 """
 
