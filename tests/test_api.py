@@ -1333,6 +1333,86 @@ def test_keras_own_train_step_traced_whole_updates_what_fit_would():
         assert close(a, b, max(1.0, float(np.abs(a).max()))), (v.path, np.abs(a - b).max())
 
 
+class Denoiser(keras.Model):
+    """An autoencoder trained on unlabeled batches (fit(x)): its train_step takes x alone."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.encoder = keras.Sequential([
+            keras.layers.Conv2D(16, 3, padding="same", use_bias=False),
+            keras.layers.BatchNormalization(), keras.layers.ReLU(),
+            keras.layers.Conv2D(16, 3, strides=2, padding="same", activation="relu"),
+            keras.layers.Dropout(0.1)])
+        self.decoder = keras.Sequential([
+            keras.layers.Conv2DTranspose(16, 3, strides=2, padding="same", activation="relu"),
+            keras.layers.Conv2D(3, 3, padding="same")])
+        self.tracker = keras.metrics.Mean(name="loss")
+
+    def call(self, x, training=False):
+        return self.decoder(self.encoder(x, training=training), training=training)
+
+    @property
+    def metrics(self):
+        return [self.tracker]
+
+    def train_step(self, x):
+        with tf.GradientTape() as tape:
+            noisy = x + 0.1 * keras.random.normal(tf.shape(x), seed=self.seed)
+            loss = tf.reduce_mean(tf.square(self(noisy, training=True) - x))
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply(grads, self.trainable_variables)
+        self.tracker.update_state(loss)
+        return {"loss": self.tracker.result()}
+
+
+def test_a_train_step_on_unlabeled_batches_is_optimized_without_labels():
+    """``label_spec=None`` for a model whose train_step takes x alone (what ``fit(x)`` passes):
+    one recomputing step leaves every variable as the override does (its noise drawn from
+    the same seed state), ``fit(x)`` trains with it, and labels where there are none, or none
+    where Keras's default step needs them, are refused with the way out."""
+    from tf_remat.errors import UnsupportedOpError
+    from tf_remat.extract import extract
+
+    keras.utils.set_random_seed(8)
+    model = Denoiser()
+    model.seed = keras.random.SeedGenerator(3)
+    model.compile(optimizer="adam")
+    xs = tf.TensorSpec((32, 16, 16, 3))
+    model(tf.zeros(xs.shape))
+    model.optimizer.build(model.trainable_variables)
+    g = extract(model, input_spec=xs, label_spec=(), cost_model="flops", verbose=0,
+                train_step=True).graph
+    step = tf_remat.optimize(model, budget_bytes=(g.budget_lower_bound + g.no_remat_peak) // 2,
+                             input_spec=xs, label_spec=None, verify=False, **FAST)
+    assert step.report["recomputed_nodes"] > 0
+    x = tf.constant(data(xs, tf.TensorSpec((32,)), seed=2)[0])
+    tracked = list({id(v): v for v in list(model.variables) + list(model.optimizer.variables)
+                    + list(model.metrics_variables) + [model.seed.state]
+                    + list(step.rewritten.traced.variables)}.values())
+    snap = Snapshot(tracked)
+    try:
+        want = float(tf.function(model.train_step)(x)["loss"])
+        w1 = snap.now()
+        snap.restore()
+        got = float(step(x)["loss"])
+        w2 = snap.now()
+    finally:
+        snap.restore()
+    assert np.isclose(got, want, rtol=1e-5), (got, want)
+    for v, a, b in zip(tracked, w1, w2):
+        assert close(a, b, max(1.0, float(np.abs(a).max()))), (v.path, np.abs(a - b).max())
+    with pytest.raises(ValueError, match="without labels"):
+        step(x, tf.zeros((32,), tf.int32))
+    hist = model.fit(data(xs, tf.TensorSpec((32,)), n=64, seed=3)[0], batch_size=32, epochs=2,
+                     verbose=0)
+    assert len(hist.history["loss"]) == 2 and all(np.isfinite(hist.history["loss"]))
+    step.detach()
+    plain, pxs, _ = bn_dropout_cnn(keras.Model)
+    plain.compile(optimizer="adam", loss="mse")
+    with pytest.raises(UnsupportedOpError, match="label_spec is None"):
+        tf_remat.optimize(plain, budget_gb=1.0, input_spec=pxs, label_spec=None, **FAST)
+
+
 class TwoTapes(keras.Model):
     """Two updates in one train_step, each with a tape and an optimizer of its own, the second
     reading the weights the first updated (as a GAN's generator step reads the updated

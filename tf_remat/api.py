@@ -123,7 +123,9 @@ def optimize(model, budget_gb: float | None = None, *, budget_bytes: int | None 
             peak as TensorFlow counts it (weights, optimizer slots, the batch, activations).
         budget_bytes: the budget in bytes, instead of ``budget_gb``.
         input_spec, label_spec: ``tf.TensorSpec`` (or nests of them) with every dimension known,
-            the batch size included.
+            the batch size included. ``label_spec=None`` for a model whose own ``train_step``
+            takes unlabeled batches (``fit(x)`` passes it ``x`` alone: an autoencoder, a GAN);
+            the step is then called ``step(x)``.
         loss, optimizer: default: what ``model.compile`` set.
         strategy: a solver strategy name (``tf-remat strategies``) or callable.
         time_limit: seconds the solver may take for the first plan. When the measured check
@@ -209,6 +211,19 @@ def optimize(model, budget_gb: float | None = None, *, budget_bytes: int | None 
                                  f"KERAS_BACKEND=tensorflow before keras is imported")
     if chain not in CHAINS:
         raise ValueError(f"chain must be one of {CHAINS}, got {chain!r}")
+    if train_step is None:
+        train_step = _custom_train_step(model) is not None
+    if label_spec is None:
+        # a train_step may take unlabeled batches (an autoencoder, a GAN): fit passes it x
+        if not train_step:
+            raise UnsupportedOpError(
+                "label_spec is None: Keras's default step computes its loss from labels; give "
+                "label_spec=tf.TensorSpec(...) (the labels' shape, with the batch size), or "
+                "train a model whose own train_step takes unlabeled batches")
+        if sample_weight_spec is not None:
+            raise UnsupportedOpError("sample_weight_spec weighs labeled samples: give "
+                                     "label_spec too, or leave sample_weight_spec None")
+        label_spec = ()
     check_specs(input_spec, label_spec)
     check_time_limit(time_limit)
     budget = _budget_bytes(budget_gb, budget_bytes)
@@ -216,8 +231,6 @@ def optimize(model, budget_gb: float | None = None, *, budget_bytes: int | None 
     given = _given_plan(plan)  # a missing or malformed file fails before any tracing
     if sample_weight_spec is not None:
         sample_weight_spec = _weight_spec(sample_weight_spec)
-    if train_step is None:
-        train_step = _custom_train_step(model) is not None
     opts = dict(loss=loss, optimizer=optimizer, strategy=strategy, time_limit=time_limit,
                 verbose=verbose, cost_model=cost_model, verify=verify, chain=chain, plan=given,
                 time_order=time_order, sample_weight_spec=sample_weight_spec, probe=_probe,
@@ -290,10 +303,11 @@ class OptimizedStep:
         self._warned = set()
 
     # ------------------------------------------------------------ public
-    def __call__(self, x, y, sample_weight=None):
+    def __call__(self, x, y=None, sample_weight=None):
         """One training step on ``(x, y)`` (optimizer update included); returns the loss (a
         model's own ``train_step``, see ``optimize``: what it returns, its logs).
-        ``sample_weight``: per-sample weights of the loss, as in ``model.fit``."""
+        ``sample_weight``: per-sample weights of the loss, as in ``model.fit``. ``y`` is None
+        for a step optimized without labels (``label_spec=None``)."""
         return self._run(x, y, sample_weight)[0]
 
     def _run(self, x, y, sample_weight=None):
@@ -411,7 +425,7 @@ class OptimizedStep:
     def measure(self, x=None, y=None, *, runs: int = 1) -> dict:
         """Run the step on ``(x, y)`` (synthetic when None) with the variables saved and restored;
         TensorFlow's measured peak (see :func:`measure_step_peak`)."""
-        if x is None or y is None:
+        if x is None or (y is None and self.label_spec != ()):
             b = self._primary()
             x, y = _synthetic_batch(*self._specs(_first_dim(self.input_spec),
                                                  self._opts.get("sample_weight_spec")))
@@ -533,6 +547,19 @@ class OptimizedStep:
         import tensorflow as tf
 
         batch = _batch_of(x)
+        if self.label_spec == ():
+            # optimized without labels (label_spec=None): the train_step takes x alone
+            if y is not None and tf.nest.flatten(y):
+                raise ValueError("the step was optimized without labels (label_spec=None), "
+                                 "and labels were given: call step(x), or optimize with a "
+                                 "label_spec")
+            if sample_weight is not None:
+                raise ValueError("sample weights weigh labeled samples, and the step was "
+                                 "optimized without labels (label_spec=None)")
+            y = ()
+        elif y is None:
+            raise ValueError("labels y are required: the step was optimized with label_spec "
+                             f"{self.label_spec}")
         x, y = self._cast(x, y)
         shapes = self._other_shapes(x, y)
         weights = None

@@ -362,7 +362,8 @@ def trace_training_step(model, input_spec, label_spec, *, loss=None, optimizer=N
             then ``(spec of y, spec of the weights)``.
         train_step: trace ``model.train_step`` itself, the step ``model.fit`` runs (a
             subclass's override included: its own losses, gradients, updates and metrics), on
-            ``(x, y)`` or ``(x, y, sample_weight)``; the step returns its logs flattened (see
+            ``(x, y)``, ``(x, y, sample_weight)``, or ``x`` alone where ``label_spec`` is
+            ``()`` (no labels, as ``fit(x)`` passes them); the step returns its logs flattened (see
             ``TracedStep.logs``). Its loss and optimizer are the model's: ``loss`` and
             ``optimizer`` must be None, and the model compiled. Every ``tf.GradientTape``
             gradient it takes gets the convolution gradients and the edits below.
@@ -382,6 +383,8 @@ def trace_training_step(model, input_spec, label_spec, *, loss=None, optimizer=N
     import keras
 
     check_specs(input_spec, label_spec)
+    if not train_step and label_spec == ():
+        _check_spec(label_spec, "label_spec")  # only a train_step may take no labels
     _check_no_distribution(model)
     _build_model(model, input_spec)
     if train_step:
@@ -453,7 +456,8 @@ def trace_training_step(model, input_spec, label_spec, *, loss=None, optimizer=N
 
     def model_step(x, y):
         # the step model.fit runs: the model's train_step on (x, y[, sample_weight])
-        data = (x, *y) if weighted else (x, y)
+        # without labels (label_spec ()) fit passes x alone, as Keras's data adapters do
+        data = (x, *y) if weighted else x if label_spec == () else (x, y)
         with _tape_gradients(edited, densify):
             logs = model.train_step(data)
         logs = tf.nest.map_structure(tf.convert_to_tensor, logs)
@@ -1098,7 +1102,8 @@ def check_specs(input_spec, label_spec):
     import tensorflow as tf
 
     _check_spec(input_spec, "input_spec")
-    _check_spec(label_spec, "label_spec")
+    if label_spec != ():  # (): no labels, for a model's own train_step (optimize's label_spec)
+        _check_spec(label_spec, "label_spec")
     sizes = {}
     for what, spec in (("input_spec", input_spec), ("label_spec", label_spec)):
         leaves = tf.nest.flatten(spec)
