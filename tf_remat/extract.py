@@ -1060,7 +1060,9 @@ def _build_model(model, input_spec):
             return  # built enough to train; a layer the call never reaches stays unbuilt
         raise UnsupportedOpError(
             f"the model could not be built from input_spec ({type(exc).__name__}: {exc}); "
-            f"call it on one batch (model(x)) before optimize") from exc
+            f"call it on one batch (model(x)), or build its layers (a keras.Input at the "
+            f"head of each sub-model, as for a GAN's, whose model has no call), before "
+            f"optimize") from exc
 
 
 def _leaf_name(what, i, n):
