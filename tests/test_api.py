@@ -1057,6 +1057,41 @@ def test_a_batch_of_other_dimensions_gets_a_plan_of_its_own():
         step(x, y[:8])
 
 
+def test_per_time_step_weights_follow_a_sequence_of_another_length():
+    """``sample_weight_spec`` of shape ``(batch, steps)`` (per-time-step weights, the labels'
+    leading dimensions) on a model that takes sequences of any length: at another length the
+    weighted step takes weights of that length, a call without weights weighs each step by
+    one, and both losses are Keras's."""
+    def build():
+        inp = keras.Input((None, 8))
+        h = keras.layers.Conv1D(32, 3, padding="same", activation="relu")(inp)
+        h = keras.layers.BatchNormalization()(h)
+        h = keras.layers.Add()([h, keras.layers.Conv1D(32, 3, padding="same")(h)])
+        model = keras.Model(inp, keras.layers.Dense(10)(h))
+        model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      optimizer="sgd")
+        return model, tf.TensorSpec((16, 64, 8)), tf.TensorSpec((16, 64), tf.int32)
+
+    model, xs, ys = fresh(build)
+    step = tf_remat.optimize(model, budget_gb=1.0, input_spec=xs, label_spec=ys,
+                             sample_weight_spec=tf.TensorSpec((16, 64)), verify=False,
+                             attach=False, **FAST)
+    x, y = data(tf.TensorSpec((16, 96, 8)), tf.TensorSpec((16, 96), tf.int32), seed=3)
+    w = np.random.default_rng(1).random((16, 96)).astype("float32")
+    snap = Snapshot(list(model.variables) + list(model.optimizer.variables))
+    try:
+        for weights in (None, w):
+            y_pred = model(x, training=True)
+            want = float(model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=weights))
+            snap.restore()
+            got = float(step(x, y, sample_weight=weights))
+            snap.restore()
+            assert np.isclose(got, want, rtol=1e-5), (weights is None, got, want)
+    finally:
+        snap.restore()
+    assert set(k[1][0] for k in step._train) == {(16, 64), (16, 96)}
+
+
 def test_a_weighted_step_with_a_given_loss_keeps_the_penalties():
     """``loss=`` given to the trace and weights: the loss is the weighted batch mean plus
     ``model.losses``, as Keras's step computes it (regularized kernels)."""

@@ -572,9 +572,29 @@ class OptimizedStep:
             # weights of one weigh as none (Keras's reductions divide by the count, or by the
             # weights' sum), so the step solved with weights serves unweighted calls too
             weights = self._specs(batch, self._opts["sample_weight_spec"])[2]
+            if shapes is not None:
+                weights = self._weights_like(weights, y)
             sw = tf.ones(weights.shape, weights.dtype)
         b = self._get(batch, apply_updates=apply_updates, weights=weights, shapes=shapes)
         return b, ((x, y) if weights is None else (x, (y, sw)))
+
+    def _weights_like(self, weights, y):
+        """The declared weights' spec for a batch of other dimensions: per-time-step weights
+        (``(batch, steps)``, declared as the labels' leading dimensions) follow the labels'
+        length; weights per sample stay as they are."""
+        import tensorflow as tf
+
+        rank = weights.shape.rank
+        if rank < 2:
+            return weights
+        label, got = tf.nest.flatten(self.label_spec)[0], tf.nest.flatten(y)[0]
+        if label.shape.rank >= rank and \
+                label.shape.as_list()[1:rank] == weights.shape.as_list()[1:]:
+            return tf.TensorSpec(got.shape[:rank], weights.dtype)
+        raise ValueError(
+            f"sample_weight_spec {weights.shape.as_list()} is not the labels' leading "
+            f"dimensions ({label.shape.as_list()[:rank]}), so its shape for labels of shape "
+            f"{got.shape.as_list()} is unknown: pass sample_weight= with such a batch")
 
     def _other_shapes(self, x, y):
         """None when every input and label has its spec's shape but for the batch size;
