@@ -233,6 +233,52 @@ def test_cli_extract_traces_your_own_model_then_the_cli_solves_it(module_file, t
     assert "nope" in capsys.readouterr().err
 
 
+OWN_STEP_MODULE = """
+import keras, tensorflow as tf
+
+
+class Denoiser(keras.Model):
+    def train_step(self, x):
+        with tf.GradientTape() as tape:
+            noisy = x + 0.1 * tf.random.stateless_normal(tf.shape(x), [1, 2])
+            loss = tf.reduce_mean(tf.square(self(noisy, training=True) - x))
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply(grads, self.trainable_variables)
+        return {"loss": loss}
+
+
+def build(batch):
+    inp = keras.Input((16, 16, 3))
+    h = keras.layers.Conv2D(8, 3, padding="same", activation="relu")(inp)
+    model = Denoiser(inp, keras.layers.Conv2D(3, 3, padding="same")(h))
+    model.compile(optimizer="adam")  # no loss: the train_step computes its own
+    return model, tf.TensorSpec((batch, 16, 16, 3)), None
+"""
+
+
+def test_cli_extract_traces_a_models_own_train_step_on_unlabeled_batches(tmp_path):
+    """A builder whose model overrides train_step and takes no labels (label_spec None): the
+    graph is of that step, as optimize plans it (Keras's default step has no loss to take)."""
+    from tf_remat.cli import main
+    from tf_remat.graph import Graph
+
+    module = tmp_path / "own.py"
+    module.write_text(OWN_STEP_MODULE)
+    out = tmp_path / "own.json"
+    assert main(["extract", "--module", f"{module}:build", "--batch", "4",
+                 "--cost-model", "flops", "-q", "-o", str(out)]) == 0
+    assert Graph.load(out).n > 0
+    # Keras's default step is not what was traced: it has no loss to take
+    from tf_remat.errors import UnsupportedOpError
+    from tf_remat.extract import extract
+    from tf_remat.training import load_builder
+
+    model, ispec, _ = load_builder(module=f"{module}:build")(4)
+    with pytest.raises(UnsupportedOpError, match="no loss"):
+        extract(model, input_spec=ispec, label_spec=tf.TensorSpec((4, 16, 16, 3)),
+                cost_model="flops", verbose=0, train_step=False)
+
+
 def test_max_batch_python_api_bad_budget():
     from tf_remat.batch import max_batch_size
 

@@ -194,7 +194,7 @@ def optimize(model, budget_gb: float | None = None, *, budget_bytes: int | None 
     """
     import keras
 
-    from tf_remat.extract import check_specs
+    from tf_remat.extract import check_specs, overrides_train_step
     from tf_remat.rewrite import CHAINS
     from tf_remat.solvers import check_time_limit
 
@@ -212,7 +212,7 @@ def optimize(model, budget_gb: float | None = None, *, budget_bytes: int | None 
     if chain not in CHAINS:
         raise ValueError(f"chain must be one of {CHAINS}, got {chain!r}")
     if train_step is None:
-        train_step = _custom_train_step(model) is not None
+        train_step = overrides_train_step(model) is not None
     if label_spec is None:
         # a train_step may take unlabeled batches (an autoencoder, a GAN): fit passes it x
         if not train_step:
@@ -661,7 +661,8 @@ class OptimizedStep:
         return cache[key]
 
     def _build(self, batch, apply_updates, weights=None, shapes=None) -> _Built:
-        from tf_remat.extract import current_device_kind, extract, memory_stats_missing
+        from tf_remat.extract import (current_device_kind, extract, memory_stats_missing,
+                                      overrides_train_step)
         from tf_remat.rewrite import rewrite
 
         o = self._opts
@@ -689,7 +690,7 @@ class OptimizedStep:
         loops = ex.info.get("loops") or []
         if loops:
             self._warn_once("loops", f"tf-remat: {_loops_note(loops)}")
-        custom = _custom_train_step(self.model)
+        custom = overrides_train_step(self.model)
         if custom and not o["train_step"]:
             # train_step=False: the step is traced from the model's call, compute_loss and
             # optimizer, as Keras's own train_step runs them; the override's code is not run
@@ -1405,15 +1406,6 @@ def _loops_note(loops) -> str:
             f"counts none of its memory, so only the measured check holds the budget. Give "
             f"the loop a static maximum_iterations (its memory is then counted) or unroll it "
             f"(for an RNN layer, unroll=True makes every time step ops the plan can schedule)")
-
-
-def _custom_train_step(model) -> str | None:
-    """The name of the class whose ``train_step`` overrides Keras's, or None."""
-    for cls in type(model).__mro__:
-        if "train_step" in vars(cls):
-            return None if cls.__module__.startswith(("keras.", "tf_keras.")) else \
-                cls.__qualname__
-    return None
 
 
 def _has_compiled_metrics(model) -> bool:

@@ -596,16 +596,28 @@ def _update_has_unknown_shapes(graph, after: int) -> bool:
                for t in op.outputs)
 
 
+def overrides_train_step(model) -> str | None:
+    """The name of the class whose ``train_step`` overrides Keras's, or None."""
+    for cls in type(model).__mro__:
+        if "train_step" in vars(cls):
+            return None if cls.__module__.startswith(("keras.", "tf_keras.")) else \
+                cls.__qualname__
+    return None
+
+
 def extract(model, *, input_spec, label_spec, loss=None, optimizer=None,
             cost_model: str = "profile", batch_size: int | None = None, verbose: int = 1,
             apply_updates: bool = True, name: str | None = None,
             return_predictions: bool = False, weighted: bool = False,
-            train_step: bool = False) -> Extraction:
+            train_step: bool | None = None) -> Extraction:
     """Trace a training step and turn it into a costed solver :class:`Graph` plus its op map.
 
     Args:
         model, input_spec, label_spec, loss, optimizer, apply_updates, return_predictions,
-            weighted, train_step: as in :func:`trace_training_step`.
+            weighted, train_step: as in :func:`trace_training_step`, but ``train_step=None``
+            (the default) traces the model's own ``train_step`` when its class overrides
+            Keras's and a full step is traced (as ``tf_remat.optimize`` does), and
+            ``label_spec=None`` stands for no labels there.
         cost_model: ``"profile"`` (each node's ops measured on the current device, GPU if
             TensorFlow sees one, cached on disk; see :mod:`tf_remat.profile`) or ``"flops"`` (an
             estimate from FLOPs and bytes moved, no measurement; coarse, for machines where
@@ -623,6 +635,10 @@ def extract(model, *, input_spec, label_spec, loss=None, optimizer=None,
     """
     import time
 
+    if train_step is None:
+        train_step = apply_updates and overrides_train_step(model) is not None
+    if label_spec is None and train_step:
+        label_spec = ()
     if batch_size is not None:
         input_spec = _with_batch(input_spec, batch_size)
         label_spec = _with_batch(label_spec, batch_size)

@@ -1024,9 +1024,9 @@ def run_case(name, fractions, time_limit, plans=None, weighted=False):
     import tensorflow as tf
 
     import tf_remat
-    from tf_remat.api import _custom_train_step, measure_step_peak
+    from tf_remat.api import measure_step_peak
     from tf_remat.errors import InfeasibleBudgetError
-    from tf_remat.extract import trace_training_step
+    from tf_remat.extract import overrides_train_step, trace_training_step
 
     import keras
 
@@ -1034,7 +1034,7 @@ def run_case(name, fractions, time_limit, plans=None, weighted=False):
     model, xs, ys = MODELS[name]()
     # a model's own train_step is what optimize plans and fit runs: the plain step is it, and
     # its update (it takes and applies its gradients inside) is compared in place of gradients
-    own = _custom_train_step(model) is not None
+    own = overrides_train_step(model) is not None
     ref = trace_training_step(model, xs, ys, conv_gradients="tensorflow", train_step=own)
     xa, ya = _data(xs, ys, model)
     x, y = tf.nest.map_structure(tf.constant, (xa, ya))
@@ -1155,8 +1155,8 @@ def first_call_case(name, frac, time_limit):
     import tensorflow as tf
 
     import tf_remat
-    from tf_remat.api import _custom_train_step, measure_step_peak
-    from tf_remat.extract import trace_training_step
+    from tf_remat.api import measure_step_peak
+    from tf_remat.extract import overrides_train_step, trace_training_step
 
     import keras
 
@@ -1165,7 +1165,7 @@ def first_call_case(name, frac, time_limit):
     xa, ya = _data(xs, ys, model)
     model.train_on_batch(xa, ya)
     ref = trace_training_step(model, xs, ys, conv_gradients="tensorflow",
-                              train_step=_custom_train_step(model) is not None)
+                              train_step=overrides_train_step(model) is not None)
     x, y = tf.nest.map_structure(tf.constant, (xa, ya))
     base = int(statistics.median(
         measure_step_peak(ref.function, x, y, variables=ref.variables)["step_peak_bytes"]
