@@ -258,7 +258,8 @@ def build(batch):
 
 def test_cli_extract_traces_a_models_own_train_step_on_unlabeled_batches(tmp_path):
     """A builder whose model overrides train_step and takes no labels (label_spec None): the
-    graph is of that step, as optimize plans it (Keras's default step has no loss to take)."""
+    graph is of that step, as optimize plans it (Keras's default step has no loss to take),
+    and max-batch's plain probe runs it."""
     from tf_remat.cli import main
     from tf_remat.graph import Graph
 
@@ -273,10 +274,17 @@ def test_cli_extract_traces_a_models_own_train_step_on_unlabeled_batches(tmp_pat
     from tf_remat.extract import extract
     from tf_remat.training import load_builder
 
-    model, ispec, _ = load_builder(module=f"{module}:build")(4)
+    build = load_builder(module=f"{module}:build")
+    model, ispec, _ = build(4)
     with pytest.raises(UnsupportedOpError, match="no loss"):
         extract(model, input_spec=ispec, label_spec=tf.TensorSpec((4, 16, 16, 3)),
                 cost_model="flops", verbose=0, train_step=False)
+    # max-batch's plain probe runs the override too, on x alone
+    from tf_remat.batch import _probe
+
+    peak, _, edge, _ = _probe(build, 4, 1 << 30, remat=False, strategy=None, time_limit=None,
+                              verbose=0, cost_model="flops")
+    assert peak > 0 and not edge
 
 
 def test_max_batch_python_api_bad_budget():

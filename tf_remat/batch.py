@@ -49,8 +49,15 @@ def memory_device() -> str:
 
 def _plain_step(model, optimizer):
     """Keras's training step for a compiled model: its compiled loss (a loss per output and
-    ``model.losses`` included, as ``train_step`` computes it), the gradients, the update."""
+    ``model.losses`` included, as ``train_step`` computes it), the gradients, the update; for
+    a model whose class overrides ``train_step``, that (``step(x, ())`` without labels), as
+    ``tf_remat.optimize`` plans it."""
     import tensorflow as tf
+
+    from tf_remat.extract import overrides_train_step
+
+    if overrides_train_step(model):
+        return tf.function(lambda x, y: model.train_step((x, y) if y != () else x))
 
     @tf.function
     def step(x, y):
@@ -85,7 +92,8 @@ def _probe(build, batch, budget, *, remat, strategy, time_limit, verbose, cost_m
     keras.backend.clear_session()
     gc.collect()
     model, input_spec, label_spec = build(batch)
-    x, y = _synthetic_batch(input_spec, label_spec)
+    # no labels (a train_step that takes x alone): the steps take () for them
+    x, y = _synthetic_batch(input_spec, () if label_spec is None else label_spec)
     t0 = time.perf_counter()
     if remat:
         from tf_remat.api import optimize
@@ -112,7 +120,8 @@ def _probe(build, batch, budget, *, remat, strategy, time_limit, verbose, cost_m
         opt = model.optimizer
         opt.build(model.trainable_variables)
         step = _plain_step(model, opt)
-        variables = [getattr(v, "value", v) for v in list(model.variables) + list(opt.variables)]
+        variables = [getattr(v, "value", v) for v in list(model.variables) + list(opt.variables)
+                     + list(model.metrics_variables)]
         peak = measure_step_peak(step, x, y, variables=variables)["step_peak_bytes"]
         edge = False
     return peak, time.perf_counter() - t0, edge, None
