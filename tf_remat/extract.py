@@ -553,14 +553,16 @@ def _check_train_step(model, loss, optimizer, apply_updates):
     if not apply_updates:
         raise UnsupportedOpError(f"{name}.train_step applies its own update: a gradients-only "
                                  f"step cannot be taken from it")
+    if not getattr(model, "compiled", False) or getattr(model, "optimizer", None) is None:
+        raise UnsupportedOpError(f"{name}.train_step trains with model.optimizer: compile the "
+                                 f"model first (model.compile(optimizer=..., ...)), or trace "
+                                 f"Keras's default step from loss= and optimizer= "
+                                 f"(train_step=False)")
     if loss is not None or optimizer is not None:
         raise UnsupportedOpError(f"{name}.train_step computes its loss and update with the "
                                  f"model's own (model.compile's loss and optimizer): leave "
                                  f"loss= and optimizer= None, or trace Keras's default step "
                                  f"from them (train_step=False)")
-    if not getattr(model, "compiled", False) or getattr(model, "optimizer", None) is None:
-        raise UnsupportedOpError(f"{name}.train_step trains with model.optimizer: compile the "
-                                 f"model first (model.compile(optimizer=..., ...))")
 
 
 @contextlib.contextmanager
