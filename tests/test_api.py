@@ -1271,6 +1271,30 @@ def bn_dropout_cnn(cls, batch=32, hw=16, width=32):
     return cls(inp, out), tf.TensorSpec((batch, hw, hw, 3)), tf.TensorSpec((batch,), tf.int32)
 
 
+def same_update(step, reference, variables, *args):
+    """``reference(*args)`` (the model's train_step run by TensorFlow, or Keras's
+    ``train_on_batch``) and ``step(*args)``, each from the same state (restored after): asserts
+    that every variable ends equal (tolerances: see test_rewrite) and that both return the same
+    logs; returns them (Keras's, then the step's) as dicts of floats."""
+    tracked = list({id(v): v for v in list(variables)
+                    + list(step.rewritten.traced.variables)}.values())
+    snap = Snapshot(tracked)
+    try:
+        want = {k: float(v) for k, v in reference(*args).items()}
+        w1 = snap.now()
+        snap.restore()
+        got = {k: float(v) for k, v in step(*args).items()}
+        w2 = snap.now()
+    finally:
+        snap.restore()
+    assert set(got) == set(want), (got, want)
+    for k in want:
+        assert np.isclose(got[k], want[k], rtol=1e-5), (k, got[k], want[k])
+    for v, a, b in zip(tracked, w1, w2):
+        assert close(a, b, max(1.0, float(np.abs(a).max()))), (v.path, np.abs(a - b).max())
+    return want, got
+
+
 def test_a_models_own_train_step_is_planned_and_trains_as_it_does():
     """A model that overrides train_step gets that step planned (what model.fit runs): from the
     same state, one rewritten step that recomputes leaves every variable (weights, optimizer
@@ -1297,25 +1321,10 @@ def test_a_models_own_train_step_is_planned_and_trains_as_it_does():
     assert step.plan.peak_memory <= budget
 
     x, y = (tf.constant(a) for a in data(xs, ys, seed=2))
-    reference = tf.function(model.train_step)
-    tracked = list({id(v): v for v in list(model.variables) + list(model.optimizer.variables)
-                    + list(model.metrics_variables)
-                    + list(step.rewritten.traced.variables)}.values())
-    snap = Snapshot(tracked)
-    try:
-        want = {k: float(v) for k, v in reference((x, y)).items()}
-        w1 = snap.now()
-        snap.restore()
-        got = step(x, y)
-        w2 = snap.now()
-    finally:
-        snap.restore()
-    assert set(got) == {"loss", "aux", "accuracy"}
-    for k in want:
-        assert np.isclose(float(got[k]), want[k], rtol=1e-5), (k, float(got[k]), want[k])
-    assert float(got["aux"]) > 0
-    for v, a, b in zip(tracked, w1, w2):
-        assert close(a, b, max(1.0, float(np.abs(a).max()))), (v.path, np.abs(a - b).max())
+    reference = tf.function(lambda x, y: model.train_step((x, y)))
+    _, got = same_update(step, reference, list(model.variables) + model.optimizer.variables
+                         + model.metrics_variables, x, y)
+    assert set(got) == {"loss", "aux", "accuracy"} and got["aux"] > 0
 
     with pytest.raises(UnsupportedOpError, match="train_step=False"):
         step.gradients(x, y)
@@ -1349,23 +1358,10 @@ def test_keras_own_train_step_traced_whole_updates_what_fit_would():
                              train_step=True, **FAST)
     assert step.report["train_step"] and step.report["recomputed_nodes"] > 0
     x, y = (tf.constant(a) for a in data(xs, ys, seed=2))
-    tracked = list({id(v): v for v in list(model.variables) + list(model.optimizer.variables)
-                    + list(model.metrics_variables)
-                    + list(step.rewritten.traced.variables)}.values())
-    snap = Snapshot(tracked)
-    try:
-        want = model.train_on_batch(x, y, return_dict=True)
-        w1 = snap.now()
-        snap.restore()
-        got = step(x, y)
-        w2 = snap.now()
-    finally:
-        snap.restore()
-    assert set(got) == set(want) == {"loss", "accuracy"}, (got, want)
-    for k in want:
-        assert np.isclose(float(got[k]), float(want[k]), rtol=1e-5), (k, got[k], want[k])
-    for v, a, b in zip(tracked, w1, w2):
-        assert close(a, b, max(1.0, float(np.abs(a).max()))), (v.path, np.abs(a - b).max())
+    want, _ = same_update(step, lambda x, y: model.train_on_batch(x, y, return_dict=True),
+                          list(model.variables) + model.optimizer.variables
+                          + model.metrics_variables, x, y)
+    assert set(want) == {"loss", "accuracy"}, want
 
 
 class Denoiser(keras.Model):
@@ -1421,21 +1417,8 @@ def test_a_train_step_on_unlabeled_batches_is_optimized_without_labels():
                              input_spec=xs, label_spec=None, verify=False, **FAST)
     assert step.report["recomputed_nodes"] > 0
     x = tf.constant(data(xs, tf.TensorSpec((32,)), seed=2)[0])
-    tracked = list({id(v): v for v in list(model.variables) + list(model.optimizer.variables)
-                    + list(model.metrics_variables) + [model.seed.state]
-                    + list(step.rewritten.traced.variables)}.values())
-    snap = Snapshot(tracked)
-    try:
-        want = float(tf.function(model.train_step)(x)["loss"])
-        w1 = snap.now()
-        snap.restore()
-        got = float(step(x)["loss"])
-        w2 = snap.now()
-    finally:
-        snap.restore()
-    assert np.isclose(got, want, rtol=1e-5), (got, want)
-    for v, a, b in zip(tracked, w1, w2):
-        assert close(a, b, max(1.0, float(np.abs(a).max()))), (v.path, np.abs(a - b).max())
+    same_update(step, tf.function(model.train_step), list(model.variables)
+                + model.optimizer.variables + model.metrics_variables + [model.seed.state], x)
     with pytest.raises(ValueError, match="without labels"):
         step(x, tf.zeros((32,), tf.int32))
     hist = model.fit(data(xs, tf.TensorSpec((32,)), n=64, seed=3)[0], batch_size=32, epochs=2,
@@ -1518,22 +1501,9 @@ def test_a_gan_with_lazily_built_optimizers_trains_as_its_train_step_does():
                              input_spec=xs, label_spec=None, verify=False, **FAST)
     assert step.report["recomputed_nodes"] > 0
     x = tf.constant(np.random.default_rng(4).random((32, 16, 16, 1), dtype=np.float32))
-    tracked = list({id(v): v for v in list(gan.variables) + list(gan.d_optimizer.variables)
-                    + list(gan.g_optimizer.variables) + list(gan.metrics_variables)
-                    + list(step.rewritten.traced.variables)}.values())
-    snap = Snapshot(tracked)
-    try:
-        want = {k: float(v) for k, v in tf.function(gan.train_step)(x).items()}
-        w1 = snap.now()
-        snap.restore()
-        got = {k: float(v) for k, v in step(x).items()}
-        w2 = snap.now()
-    finally:
-        snap.restore()
-    for k in ("d_loss", "g_loss"):
-        assert np.isclose(got[k], want[k], rtol=1e-5), (k, got[k], want[k])
-    for v, a, b in zip(tracked, w1, w2):
-        assert close(a, b, max(1.0, float(np.abs(a).max()))), (v.path, np.abs(a - b).max())
+    same_update(step, tf.function(gan.train_step), list(gan.variables)
+                + gan.d_optimizer.variables + gan.g_optimizer.variables
+                + gan.metrics_variables, x)
     hist = gan.fit(np.random.rand(64, 16, 16, 1).astype("float32"), batch_size=32, epochs=1,
                    verbose=0)
     assert set(hist.history) == {"d_loss", "g_loss"}
@@ -1591,24 +1561,11 @@ def test_a_train_step_with_two_tapes_reads_the_weights_its_first_update_wrote():
                              input_spec=xs, label_spec=ys, verify=False, attach=False, **FAST)
     assert step.report["recomputed_nodes"] > 0
     x, y = (tf.constant(a) for a in data(xs, ys, seed=2))
-    tracked = list({id(v): v for v in list(model.variables) + list(model.optimizer.variables)
-                    + list(model.body_optimizer.variables)
-                    + list(step.rewritten.traced.variables)}.values())
-    snap = Snapshot(tracked)
-    try:
-        want = {k: float(v) for k, v in tf.function(model.train_step)((x, y)).items()}
-        w1 = snap.now()
-        snap.restore()
-        got = {k: float(v) for k, v in step(x, y).items()}
-        w2 = snap.now()
-    finally:
-        snap.restore()
+    want, _ = same_update(step, tf.function(lambda x, y: model.train_step((x, y))),
+                          list(model.variables) + model.optimizer.variables
+                          + model.body_optimizer.variables, x, y)
     # the second loss is of the updated head: a step that read the old one would give the first
     assert abs(want["loss2"] - want["loss"]) > 1e-3 * abs(want["loss"])
-    for k in want:
-        assert np.isclose(got[k], want[k], rtol=1e-5), (k, got[k], want[k])
-    for v, a, b in zip(tracked, w1, w2):
-        assert close(a, b, max(1.0, float(np.abs(a).max()))), (v.path, np.abs(a - b).max())
 
 
 def test_a_step_kept_within_the_budget_but_not_the_margin_says_so(monkeypatch):
