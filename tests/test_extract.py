@@ -462,6 +462,53 @@ def test_convolution_gradients_as_products_equal_tensorflows(monkeypatch):
     assert types["matmul"]["ExtractImagePatches"] == 7 + 7 + 2
 
 
+def test_conv3d_gradients_as_products_equal_tensorflows(monkeypatch):
+    """Conv3D gradients as products (forced here: ``optimize`` measures per layer which takes
+    less memory) equal TensorFlow's kernels': filter gradients as one 2-D patch product per
+    depth tap, input gradients as flipped stride-1 Conv3Ds of the zero-dilated output gradient;
+    'SAME' and 'VALID', strides per axis, even and uneven kernels, 1x1x1 layers. Same sums in
+    another order: float32 reassociation, so 1e-5 of the largest."""
+    import numpy as np
+
+    from tf_remat import extract as extract_module
+    from tf_remat.extract import trace_training_step
+
+    def build():
+        keras.utils.set_random_seed(0)
+        inp = keras.Input((7, 12, 12, 8))
+        h = keras.layers.Conv3D(16, 3, padding="same")(inp)
+        h = keras.layers.Conv3D(16, 3, strides=2, padding="same", activation="relu")(h)
+        h = keras.layers.Conv3D(12, 1)(h)
+        h = keras.layers.Conv3D(12, 1, strides=(1, 2, 2), activation="relu")(h)
+        h = keras.layers.Conv3D(8, (2, 3, 3), padding="valid")(h)
+        h = keras.layers.Conv3D(8, (3, 2, 1), strides=(2, 1, 1), padding="same")(h)
+        h = keras.layers.Conv3D(8, 2, strides=3, padding="same")(h)
+        m = keras.Model(inp, keras.layers.Dense(10)(keras.layers.Flatten()(h)))
+        m.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  optimizer="sgd")
+        return m
+
+    x = tf.random.stateless_normal((4, 7, 12, 12, 8), seed=(1, 2))
+    y = tf.constant(np.arange(4) % 10, tf.int32)
+    monkeypatch.setattr(extract_module, "_PATCH_GRAD_BYTES", 1 << 18)
+    monkeypatch.setattr(extract_module, "_conv3d_products_smaller", lambda *a: True)
+    grads, types = {}, {}
+    for m in ("tensorflow", "matmul"):
+        monkeypatch.setenv("TF_REMAT_CONV_GRADIENTS", m)
+        t = trace_training_step(build(), tf.TensorSpec(x.shape), tf.TensorSpec((4,), tf.int32),
+                                apply_updates=False)
+        grads[m] = [g.numpy() for g in t.function(x, y)[1:]]
+        types[m] = collections.Counter(op.type for op in t.function.graph.get_operations())
+    for a, b in zip(grads["tensorflow"], grads["matmul"]):
+        assert np.max(np.abs(a - b)) <= 1e-5 * max(np.max(np.abs(a)), 1e-30), a.shape
+    # (the first layer's input gradient is traced too, and pruned: nothing reads it)
+    assert types["tensorflow"]["Conv3DBackpropFilterV2"] == 7
+    assert types["tensorflow"]["Conv3DBackpropInputV2"] == 7
+    assert types["matmul"]["Conv3DBackpropFilterV2"] == types["matmul"]["Conv3DBackpropInputV2"] \
+        == 0
+    assert types["matmul"]["Conv3D"] == types["tensorflow"]["Conv3D"] + 7  # flipped ones
+
+
 def test_broadcast_gradients_are_sunk_into_their_readers(monkeypatch):
     """A BatchNorm's reduce_mean gradients (Tile to the activation's shape, then divided and
     scaled) run on the per-channel values and reach the full-size gradients as broadcasts:

@@ -224,3 +224,46 @@ def test_convolution_gradients_as_products_take_no_scratch_without_onednn():
     on = _child("import json\nfrom tf_remat.extract import conv_gradients_mode\n"
                 "print(json.dumps(conv_gradients_mode()))", TF_ENABLE_ONEDNN_OPTS="1")
     assert on == "tensorflow"
+
+
+_CONV3D_SCRATCH = """
+import json, os, tf_remat, keras, tensorflow as tf
+from tf_remat.extract import extract
+
+def build():
+    inp = keras.Input((6, 32, 32, 8))
+    h = keras.layers.Conv3D(16, 3, padding="same", activation="relu")(inp)
+    h = keras.layers.Conv3D(32, 3, padding="same", activation="relu")(h)
+    h = keras.layers.Conv3D(32, 3, padding="same")(h)
+    out = keras.layers.Dense(10)(keras.layers.GlobalAveragePooling3D()(h))
+    m = keras.Model(inp, out)
+    m.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), optimizer="sgd")
+    return m
+
+res = {}
+for mode in ("tensorflow", "matmul"):
+    os.environ["TF_REMAT_CONV_GRADIENTS"] = mode
+    ex = extract(build(), input_spec=tf.TensorSpec((8, 6, 32, 32, 8)),
+                 label_spec=tf.TensorSpec((8,), tf.int32), cost_model="flops", verbose=0)
+    graph = ex.traced.function.graph
+    types = [graph.get_operation_by_name(o).type for ops in ex.op_map.nodes for o in ops]
+    res[mode] = {"scratch": ex.info["workspace_bytes"], "lower": ex.graph.budget_lower_bound,
+                 "filter": types.count("Conv3DBackpropFilterV2"),
+                 "input": types.count("Conv3DBackpropInputV2")}
+print(json.dumps(res))
+"""
+
+
+@pytest.mark.slow
+def test_conv3d_gradients_are_products_only_where_tensorflows_kernels_take_more():
+    """Without oneDNN, TensorFlow's Conv3D backprop kernels took hundreds of MiB of scratch for
+    a 3x3x3 layer of 8x6x32x32x32 and a few MiB for 8x6x32x32x16: measured per layer, only
+    the last layer's gradients become products, and the smallest budget any plan can reach
+    drops by about that scratch."""
+    pytest.importorskip("tensorflow")
+    out = _child(_CONV3D_SCRATCH)  # TF_ENABLE_ONEDNN_OPTS=0
+    tf_, mm = out["tensorflow"], out["matmul"]
+    assert (tf_["filter"], tf_["input"]) == (3, 2), out
+    assert (mm["filter"], mm["input"]) == (2, 1), out  # the first two layers keep the kernels
+    assert tf_["scratch"] >= 100 * MiB and mm["scratch"] < 32 * MiB, out
+    assert mm["lower"] <= tf_["lower"] - 100 * MiB, out

@@ -1325,7 +1325,7 @@ def _plain_conv(op, grad):
 
 def _patch_filter_gradient(x, w, dy, padding, strides):
     """dL/dW of the convolution ``y = conv(x, w)`` as ``patches(x)^T @ dL/dy`` (None where
-    that does not apply).
+    that does not apply); ``w`` is the kernel or its shape.
 
     For a 1x1 stride-1 convolution the patches are ``x`` itself (a view); otherwise
     ``ExtractImagePatches`` builds them, exactly the bytes the product reads, for one slice of
@@ -1335,7 +1335,7 @@ def _patch_filter_gradient(x, w, dy, padding, strides):
     import tensorflow as tf
 
     sh, sw = strides
-    kh, kw, ci, co = w.shape.as_list()
+    kh, kw, ci, co = w.shape.as_list() if hasattr(w, "shape") else list(w)
     n, ho, wo, _ = dy.shape.as_list()
     if kh == kw == 1 and sh == sw == 1:
         if x.shape.as_list()[:3] != [n, ho, wo]:
@@ -1446,9 +1446,181 @@ def _conv2d_transpose_gradient(op, grad):
     return [None, dw, tf.nn.conv2d(grad, w, strides=[1, sh, sw, 1], padding=padding)]
 
 
+def _plain_conv3d(op, grad):
+    """``(x, w, padding, strides)`` of an NDHWC ``Conv3D`` op with static shapes, no dilation,
+    'SAME' or 'VALID' padding and a floating dtype; None otherwise."""
+    import tensorflow as tf
+
+    x, w = op.inputs[0], op.inputs[1]
+    strides = list(op.get_attr("strides"))
+    padding = op.get_attr("padding").decode()
+    if op.get_attr("data_format") != b"NDHWC" or list(op.get_attr("dilations")) != [1] * 5 \
+            or strides[0] != 1 or strides[4] != 1 or padding not in ("SAME", "VALID"):
+        return None
+    if not all(t.shape.is_fully_defined() for t in (x, w, grad)):
+        return None
+    if x.shape[-1] != w.shape[3] or x.dtype not in (tf.float32, tf.float16, tf.bfloat16,
+                                                     tf.float64):
+        return None
+    return x, w, padding, tuple(strides[1:4])
+
+
+def _same_pads(size, k, s, out, padding):
+    """(before, after) padding of one spatial axis, as TensorFlow pads it for ``padding``
+    (after may be negative: trailing entries no output reads)."""
+    before = max((out - 1) * s + k - size, 0) // 2 if padding == "SAME" else 0
+    return before, (out - 1) * s + k - size - before
+
+
+def _depthwise_split_filter_gradient(x, w, dy, padding, strides):
+    """dL/dW of a ``Conv3D`` as one 2-D filter gradient (:func:`_patch_filter_gradient`) per
+    depth tap of the kernel: ``y[:, t] = sum_k conv2d(x[:, t*s + k - p], w[k])``, so ``dL/dw[k]``
+    is the 2-D filter gradient of the frames tap ``k`` reads (the output's frames folded into
+    the batch) against dL/dy. One tap's frames (a copy the size of ``x``) and one slice's
+    patches are live at a time. None where that does not apply."""
+    import tensorflow as tf
+
+    sd, sh, sw = strides
+    kd, kh, kw, ci, co = w.shape.as_list()
+    n, d, h, wd, _ = x.shape.as_list()
+    _, do, ho, wo, _ = dy.shape.as_list()
+    before, after = _same_pads(d, kd, sd, do, padding)
+    with tf.control_dependencies([dy]):
+        xp = x if before == after == 0 else tf.pad(
+            x[:, :d + min(after, 0)], [[0, 0], [before, max(after, 0)], [0, 0], [0, 0], [0, 0]])
+    dy2 = tf.reshape(dy, [n * do, ho, wo, co])
+    taps = []
+    for k in range(kd):
+        with tf.control_dependencies([dy if not taps else taps[-1]]):
+            frames = xp if (kd, sd, do) == (1, 1, xp.shape[1]) else \
+                xp[:, k:k + (do - 1) * sd + 1:sd]
+            frames = tf.reshape(frames, [n * do, h, wd, ci])
+        tap = _patch_filter_gradient(frames, (kh, kw, ci, co), dy2, padding, (sh, sw))
+        if tap is None:
+            return None
+        taps.append(tap)
+    return tf.stack(taps)
+
+
+def _flipped_input_gradient3d(x, w, grad, padding, strides):
+    """dL/dx of a ``Conv3D`` as a stride-1 ``Conv3D`` of dL/dy (zeros between its entries for a
+    strided layer, padded by ``K - 1 - p`` before) with the kernel flipped and its channels
+    swapped, as :func:`_flipped_input_gradient` does in two dimensions: without oneDNN,
+    Conv3DBackpropInputV2 takes scratch of many times its output (263 MiB for a 3x3x3 layer of
+    8x6x32x32x32), the forward kernel none. None where that does not apply."""
+    import tensorflow as tf
+
+    kd, kh, kw = w.shape.as_list()[:3]
+    sizes, outs = x.shape.as_list()[1:4], grad.shape.as_list()[1:4]
+    d = grad
+    for axis, s in enumerate(strides, start=1):  # zeros between the entries, an axis at a time
+        if s > 1:  # (Pad takes at most six dimensions)
+            shape = d.shape.as_list()
+            pads = [[0, 0]] * (len(shape) + 1)
+            pads[axis + 1] = [0, s - 1]
+            shape[axis] *= s
+            d = tf.reshape(tf.pad(tf.expand_dims(d, axis + 1), pads), shape)
+    pads, keep = [], []
+    for size, k, s, o in zip(sizes, (kd, kh, kw), strides, outs):
+        lo = k - 1 - _same_pads(size, k, s, o, padding)[0]
+        hi = size + k - 1 - lo - o * s
+        if lo < 0:
+            return None
+        pads.append([lo, max(hi, 0)])
+        keep.append(o * s + min(hi, 0))
+    if keep != [o * s for o, s in zip(outs, strides)]:
+        d = d[:, :keep[0], :keep[1], :keep[2]]
+    d = tf.pad(d, [[0, 0], *pads, [0, 0]])
+    flipped = tf.transpose(tf.reverse(w, axis=[0, 1, 2]), [0, 1, 2, 4, 3])
+    dx = tf.nn.conv3d(d, flipped, strides=[1] * 5, padding="VALID")
+    return dx if dx.shape == x.shape else None
+
+
+#: (shapes, strides, padding, dtype) -> whether the products took less memory than TensorFlow's
+#: Conv3D backprop kernels, measured once per process (see _conv3d_products_smaller)
+_CONV3D_CHOICE = {}
+
+
+def _conv3d_products_smaller(x, w, dy, padding, strides) -> bool:
+    """Whether a ``Conv3D``'s gradients as products (:func:`_depthwise_split_filter_gradient`,
+    :func:`_flipped_input_gradient3d`) peak lower than TensorFlow's backprop kernels, run once
+    each on zeros of the layer's shapes with the CPU allocator's statistics.
+
+    Neither always wins, and no formula tells which: TensorFlow's kernels took 263 MiB of
+    scratch for a 3x3x3 layer of 8x6x32x32x32 and under 1 MiB for one of 8x8x32x32x16, where
+    the products' slices of up to 8 MiB and their padded copies cost more. Without statistics
+    (another allocator) the products are taken where one sample's im2col matrix is over 32 MiB.
+    """
+    import numpy as np
+    import tensorflow as tf
+
+    key = (tuple(x.shape.as_list()), tuple(w.shape.as_list()), tuple(dy.shape.as_list()),
+           padding, strides, x.dtype.name)
+    if key in _CONV3D_CHOICE:
+        return _CONV3D_CHOICE[key]
+    device = "GPU:0" if tf.config.list_logical_devices("GPU") else "CPU:0"
+    if memory_stats_missing(device):
+        kd, kh, kw, ci, _ = key[1]
+        choice = int(np.prod(key[2][1:4])) * kd * kh * kw * ci * x.dtype.size > (32 << 20)
+        _CONV3D_CHOICE[key] = choice
+        return choice
+    xs, ws, ys = (tf.TensorSpec(k, x.dtype) for k in key[:3])
+
+    @tf.function(input_signature=[xs, ws, ys], autograph=False)
+    def kernels(a, b, d):
+        s = [1, *strides, 1]
+        return (tf.raw_ops.Conv3DBackpropInputV2(input_sizes=key[0], filter=b, out_backprop=d,
+                                                 strides=s, padding=padding),
+                tf.raw_ops.Conv3DBackpropFilterV2(input=a, filter_sizes=key[1],
+                                                  out_backprop=d, strides=s, padding=padding))
+
+    @tf.function(input_signature=[xs, ws, ys], autograph=False)
+    def products(a, b, d):
+        dx = _flipped_input_gradient3d(a, b, d, padding, strides)
+        with tf.control_dependencies([dx] if dx is not None else []):
+            dw = _depthwise_split_filter_gradient(a, b, d, padding, strides)
+        return (dx if dx is not None else tf.zeros(()),
+                dw if dw is not None else tf.zeros(()))
+
+    peaks = []
+    with tf.init_scope():  # eager, even while a step is being traced
+        try:
+            args = [tf.zeros(k, x.dtype) for k in key[:3]]
+            for fn in (kernels, products):
+                _ = [t.numpy() for t in fn(*args)]  # built, Grappler run
+                tf.config.experimental.reset_memory_stats(device)
+                before = tf.config.experimental.get_memory_info(device)["current"]
+                _ = [t.numpy() for t in fn(*args)]
+                peaks.append(tf.config.experimental.get_memory_info(device)["peak"] - before)
+                del _
+        except (tf.errors.OpError, ValueError, TypeError):  # a kernel missing for the dtype:
+            peaks = [0, 1]  # TensorFlow's gradient, what Keras's step runs
+    choice = peaks[1] < peaks[0]
+    _CONV3D_CHOICE[key] = choice
+    return choice
+
+
+def _conv3d_gradient(op, grad):
+    """Gradients of a ``Conv3D`` without TensorFlow's CPU backprop kernels where that applies
+    (:func:`_depthwise_split_filter_gradient`, :func:`_flipped_input_gradient3d`) and takes less
+    memory (:func:`_conv3d_products_smaller`)."""
+    conv = _plain_conv3d(op, grad)
+    dx = dw = None
+    if conv is not None and _conv3d_products_smaller(*conv[:2], grad, *conv[2:]):
+        x, w, padding, strides = conv
+        dw = _depthwise_split_filter_gradient(x, w, grad, padding, strides)
+        dx = _flipped_input_gradient3d(x, w, grad, padding, strides)
+    if dw is None or dx is None:
+        tf_dx, tf_dw = _TF_GRADS["Conv3D"](op, grad)
+        dx = tf_dx if dx is None else dx
+        dw = tf_dw if dw is None else dw
+    return [dx, dw]
+
+
 #: TensorFlow's registered gradient functions, while _matmul_conv_gradients has them swapped
 _TF_GRADS = {}
-_OWN_GRADS = {"Conv2D": _conv2d_gradient, "Conv2DBackpropInput": _conv2d_transpose_gradient}
+_OWN_GRADS = {"Conv2D": _conv2d_gradient, "Conv2DBackpropInput": _conv2d_transpose_gradient,
+              "Conv3D": _conv3d_gradient}
 
 
 @contextlib.contextmanager
