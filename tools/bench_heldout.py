@@ -883,6 +883,71 @@ def rdrop(batch=32, hw=32):
     return model, tf.TensorSpec((batch, hw, hw, 3)), tf.TensorSpec((batch,), tf.int32)
 
 
+def masked(batch=32, steps=64, vocab=2000):
+    """Token ids with padding (``mask_zero``): the mask reaches a Bidirectional LSTM, a masked
+    residual LSTM and masked mean pooling, with Dropout and LayerNorm between them."""
+    import keras
+    import tensorflow as tf
+
+    L = keras.layers
+    inp = keras.Input((steps,), dtype="int32")
+    h = L.Embedding(vocab, 64, mask_zero=True)(inp)
+    h = L.Bidirectional(L.LSTM(64, return_sequences=True))(h)
+    r = L.LSTM(128, return_sequences=True)(L.Dropout(0.2)(h))
+    h = L.LayerNormalization()(L.Add()([h, r]))
+    h = L.GlobalAveragePooling1D()(h)
+    model = keras.Model(inp, L.Dense(4)(L.Dropout(0.3)(h)), name="masked")
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  optimizer=keras.optimizers.Adam(1e-3), metrics=["accuracy"])
+    return model, tf.TensorSpec((batch, steps), tf.int32), tf.TensorSpec((batch,), tf.int32)
+
+
+def convlstm(batch=8, frames=6, hw=32):
+    """ConvLSTM2D over short clips (a tf.while_loop of convolutions), BatchNorm, SpatialDropout,
+    a residual Conv3D, and a ConvLSTM2D that returns its last state."""
+    import keras
+    import tensorflow as tf
+
+    L = keras.layers
+    inp = keras.Input((frames, hw, hw, 3))
+    h = L.ConvLSTM2D(32, 3, padding="same", return_sequences=True)(inp)
+    h = L.BatchNormalization()(h)
+    r = L.Conv3D(32, 3, padding="same", activation="relu")(L.SpatialDropout3D(0.1)(h))
+    h = L.Add()([h, L.BatchNormalization()(r)])
+    h = L.ConvLSTM2D(32, 3, padding="same")(h)
+    h = L.GlobalAveragePooling2D()(L.BatchNormalization()(h))
+    model = keras.Model(inp, L.Dense(10)(L.Dropout(0.3)(h)), name="convlstm")
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  optimizer=keras.optimizers.Adam(1e-3))
+    return model, tf.TensorSpec((batch, frames, hw, hw, 3)), tf.TensorSpec((batch,), tf.int32)
+
+
+def specnorm(batch=32, hw=32):
+    """A residual CNN whose convolutions are wrapped in SpectralNormalization (a power
+    iteration that assigns a variable in the forward pass), with BatchNorm, Dropout,
+    ActivityRegularization and kernel regularizers (losses the model adds to its own)."""
+    import keras
+    import tensorflow as tf
+
+    L = keras.layers
+    reg = keras.regularizers.L2(1e-4)
+    inp = keras.Input((hw, hw, 3))
+    h = L.SpectralNormalization(L.Conv2D(32, 3, padding="same"))(inp)
+    for width, stride in ((32, 1), (64, 2), (64, 1)):
+        r = L.SpectralNormalization(
+            L.Conv2D(width, 3, strides=stride, padding="same", kernel_regularizer=reg))(h)
+        r = L.Dropout(0.2)(L.Activation("relu")(L.BatchNormalization()(r)))
+        r = L.Conv2D(width, 3, padding="same", kernel_regularizer=reg)(r)
+        r = L.ActivityRegularization(l2=1e-5)(L.BatchNormalization()(r))
+        s = h if stride == 1 and h.shape[-1] == width else L.Conv2D(width, 1, strides=stride)(h)
+        h = L.Activation("relu")(L.Add()([r, s]))
+    h = L.GlobalAveragePooling2D()(h)
+    model = keras.Model(inp, L.Dense(10)(L.Dropout(0.3)(h)), name="specnorm")
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  optimizer=keras.optimizers.SGD(0.01, momentum=0.9), metrics=["accuracy"])
+    return model, tf.TensorSpec((batch, hw, hw, 3)), tf.TensorSpec((batch,), tf.int32)
+
+
 def _application(factory, hw, batch, optimizer):
     """A ``keras.applications`` model (weights=None) at a CPU-sized input and batch: sizes
     where activations, not the weights and optimizer slots, make up most of the step (at 64
@@ -920,6 +985,7 @@ MODELS = {"resdrop": resdrop, "unet_bn": unet_bn, "densenet": densenet,
           "grouped": grouped, "regnet": regnet, "resmlp": resmlp,
           "subclassed": subclassed, "augment": augment, "mixed": mixed, "gru": gru,
           "timedist": timedist, "deep_rnn": deep_rnn, "rdrop": rdrop,
+          "masked": masked, "convlstm": convlstm, "specnorm": specnorm,
           **VARIANTS, **APPLICATIONS}
 
 
