@@ -251,7 +251,8 @@ def test_loops_run_one_iteration_at_a_time_and_compute_the_same_step():
     """A recomputing plan around an LSTM's loop: same loss, gradients and updates, and every
     loop of the new step (the forward one and its gradient) runs one iteration at a time
     (``parallel_iterations=1``): by default up to 32 run at once and a backward loop held the
-    weight gradients of many steps before summing them, 8 MiB over the plan on some runs."""
+    weight gradients of many steps before summing them, 8 MiB over the plan on some runs. The
+    traced step runs them so too, so that what is profiled is what the plan runs."""
     from tf_remat.rewrite import build_graph_def, rewrite
 
     ex = extracted("rnn")
@@ -262,10 +263,11 @@ def test_loops_run_one_iteration_at_a_time_and_compute_the_same_step():
     assert_same_step(ex, step, *batch_for(ex))
     gd = build_graph_def(ex.traced, ex.op_map, plan.sequence, chain="node")[0]
     loops = [nd for nd in gd.node if nd.op in ("While", "StatelessWhile")]
-    assert len(loops) >= 2 and step.info["sequential_loops"] == len(loops)
+    assert len(loops) >= 2
     assert all(nd.attr["parallel_iterations"].i == 1 for nd in loops)
-    assert all(op.get_attr("parallel_iterations") == 32 for op in
-               ex.traced.function.graph.get_operations() if op.type == "While")
+    traced = [op for op in ex.traced.function.graph.get_operations()
+              if op.type in ("While", "StatelessWhile")]
+    assert len(traced) >= 2 and all(op.get_attr("parallel_iterations") == 1 for op in traced)
 
 
 def test_a_recomputed_rnn_loop_reads_the_weights_the_step_started_with():

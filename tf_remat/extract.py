@@ -469,6 +469,7 @@ def trace_training_step(model, input_spec, label_spec, *, loss=None, optimizer=N
             raise UnsupportedOpError(f"{type(model).__name__}.train_step took no gradient with "
                                      f"tf.GradientTape: tf-remat plans a step that does")
         marks["logs"] = logs
+        _serial_loops()
         return tuple(tf.nest.flatten(logs))
 
     def step(x, y):
@@ -498,10 +499,12 @@ def trace_training_step(model, input_spec, label_spec, *, loss=None, optimizer=N
                          for g in grads]
             pairs = [(g, v) for g, v in zip(grads, trainable) if g is not None]
             optimizer.apply_gradients(pairs)
+            _serial_loops()
             return (value, *preds) if preds else value
         # dense gradients (an embedding's IndexedSlices would be three outputs)
         grads = [tf.zeros_like(v) if g is None else tf.convert_to_tensor(g)
                  for g, v in zip(grads, trainable)]
+        _serial_loops()
         return (value, *grads, *preds)
 
     def trace():
@@ -545,6 +548,21 @@ def trace_training_step(model, input_spec, label_spec, *, loss=None, optimizer=N
                       phase_marks=(marks.get("forward", 0), marks.get("backward", 0)),
                       predictions=marks.get("predictions"), weighted=weighted,
                       logs=marks.get("logs"))
+
+
+def _serial_loops() -> None:
+    """Run the ``tf.while_loop``s of the step being traced one iteration at a time, as the
+    rewritten step runs them (``rewrite._LOOP_PARALLEL``), so that what is profiled (each
+    node's time, what a loop's body holds while it runs: :func:`_loop_body_transients`) is
+    what the plan will run; by default iterations run up to 32 at once, as far ahead of each
+    other as their data allows. The values are the same. Loops nested in a loop's body keep
+    their setting."""
+    import tensorflow as tf
+    from tensorflow.core.framework import attr_value_pb2
+
+    for op in tf.compat.v1.get_default_graph().get_operations():
+        if op.type in ("While", "StatelessWhile") and op.get_attr("parallel_iterations") > 1:
+            op._set_attr("parallel_iterations", attr_value_pb2.AttrValue(i=1))  # noqa: SLF001
 
 
 def _check_train_step(model, loss, optimizer, apply_updates):
@@ -837,6 +855,8 @@ def measure_workspace(traced: TracedStep, op_map: OpMap, *, x=None, y=None) -> l
     # the filter gradients of a shared layer's two calls (22 and 10 MiB of scratch) did in a
     # rewritten siamese step and not in the profiled run, whose figure was the larger alone
     live, held, per_op = {}, {}, {}
+    for o, b in _loop_body_transients(events, node_of, traced.function.graph, kind).items():
+        per_op[o] = b
     for _, alloc, st in events:
         o = st.get("tf_op")
         if alloc:
@@ -855,6 +875,74 @@ def measure_workspace(traced: TracedStep, op_map: OpMap, *, x=None, y=None) -> l
     for v, temps in by_node.items():
         ws[v] = _concurrent_most(temps, set(op_map.nodes[v]), traced.function.graph)
     return [b if b >= _MIN_WORKSPACE else 0 for b in ws]
+
+
+def _loop_body_transients(events, node_of, graph, kind) -> dict:
+    """``{While op name: bytes}``: the most that a ``tf.while_loop``'s body and condition held
+    at once, of what they allocated and freed before the loop ended.
+
+    Inside a loop every kernel's buffers, outputs or scratch, are the loop's own: the profiler
+    names their ops ``<loop>/body/_<k>/<op>``, no op of the graph's nodes. Those that outlive
+    the loop are what its TensorLists keep (counted as the loop's outputs,
+    :func:`loop_list_bytes`); the rest come and go with each iteration and the executor runs
+    a body's ops freely, so the figure is what this run held, not a bound. A ConvLSTM2D's
+    gradient loop held about 36 MiB so (its eight convolutions' patch products, taken
+    together), which the plan did not count: it simulated 112 MiB and measured 145."""
+    loops = {name for name in node_of
+             if graph.get_operation_by_name(name).type in ("While", "StatelessWhile")}
+    if not loops:
+        return {}
+
+    def loop_of(op_name):
+        if not op_name or op_name in node_of:
+            return None
+        for marker in ("/body/", "/cond/"):
+            head = op_name.split(marker, 1)[0]
+            if head != op_name and head in loops:
+                return head
+        return None
+
+    owner, end = {}, {}  # addr -> (loop, bytes, allocated at); loop -> its last event's time
+    for t, _, st in events:
+        loop = loop_of(st.get("tf_op"))
+        if loop is not None:
+            end[loop] = t
+    freed = {}  # (addr, allocated at) -> freed at
+    for t, alloc, st in events:
+        a = st.get("addr")
+        if alloc:
+            loop = loop_of(st.get("tf_op"))
+            if loop is not None:
+                owner[a] = (loop, counted_bytes(int(st.get("requested_bytes", 0)), kind), t)
+        elif a in owner:
+            freed[(a, owner[a][2])] = t
+            owner.pop(a)
+    # the rewritten step runs a loop's iterations one at a time (rewrite._LOOP_PARALLEL), the
+    # profiled step up to 32 at once: of one body op's buffers live together (other
+    # iterations'), only the largest counts
+    owner, sizes, held, most = {}, {}, {}, {}
+
+    def change(loop, op, b, sign):
+        live = sizes.setdefault((loop, op), collections.Counter())
+        before = max(live, default=0)
+        live[b] += sign
+        if not live[b]:
+            del live[b]
+        held[loop] = held.get(loop, 0) + max(live, default=0) - before
+        most[loop] = max(most.get(loop, 0), held[loop])
+
+    for t, alloc, st in events:
+        a = st.get("addr")
+        loop = loop_of(st.get("tf_op")) if alloc else None
+        if alloc and loop is not None:
+            b = counted_bytes(int(st.get("requested_bytes", 0)), kind)
+            gone = freed.get((a, t))
+            if gone is not None and gone <= end[loop]:  # freed inside the loop
+                owner[a] = (loop, st.get("tf_op"), b)
+                change(loop, st.get("tf_op"), b, 1)
+        elif not alloc and a in owner:
+            change(*owner.pop(a), -1)
+    return most
 
 
 #: a node with more scratch-taking ops than this counts them all at once
