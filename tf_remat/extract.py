@@ -355,8 +355,9 @@ def trace_training_step(model, input_spec, label_spec, *, loss=None, optimizer=N
         conv_gradients: ``"matmul"`` or ``"tensorflow"`` (see :func:`conv_gradients_mode`, the
             default); ``"tensorflow"`` traces the step exactly as Keras runs it: TensorFlow's
             convolution gradients, no broadcast gradients sunk into their readers
-            (:func:`_sink_broadcasts`) and no gradient sums chained (:func:`_chain_sums`),
-            both done otherwise.
+            (:func:`_sink_broadcasts`), no gradient sums chained (:func:`_chain_sums`) and
+            loops that run up to 32 iterations at once (:func:`_serial_loops`), all done
+            otherwise.
         weighted: the labels are a pair ``(y, sample_weight)`` and the loss weighs each sample
             as ``model.fit(sample_weight=...)`` (or ``class_weight=``) would: ``label_spec`` is
             then ``(spec of y, spec of the weights)``.
@@ -410,7 +411,7 @@ def trace_training_step(model, input_spec, label_spec, *, loss=None, optimizer=N
     marks = {}
     patch_filters = (conv_gradients or conv_gradients_mode()) == "matmul"
     # "tensorflow" promises the step exactly as Keras runs it
-    sink = conv_gradients != "tensorflow"
+    sink = serial = conv_gradients != "tensorflow"
 
     def _n_ops():
         ops_now = tf.compat.v1.get_default_graph().get_operations()
@@ -469,7 +470,7 @@ def trace_training_step(model, input_spec, label_spec, *, loss=None, optimizer=N
             raise UnsupportedOpError(f"{type(model).__name__}.train_step took no gradient with "
                                      f"tf.GradientTape: tf-remat plans a step that does")
         marks["logs"] = logs
-        _serial_loops()
+        _serial_loops(serial)
         return tuple(tf.nest.flatten(logs))
 
     def step(x, y):
@@ -499,12 +500,12 @@ def trace_training_step(model, input_spec, label_spec, *, loss=None, optimizer=N
                          for g in grads]
             pairs = [(g, v) for g, v in zip(grads, trainable) if g is not None]
             optimizer.apply_gradients(pairs)
-            _serial_loops()
+            _serial_loops(serial)
             return (value, *preds) if preds else value
         # dense gradients (an embedding's IndexedSlices would be three outputs)
         grads = [tf.zeros_like(v) if g is None else tf.convert_to_tensor(g)
                  for g, v in zip(grads, trainable)]
-        _serial_loops()
+        _serial_loops(serial)
         return (value, *grads, *preds)
 
     def trace():
@@ -550,7 +551,7 @@ def trace_training_step(model, input_spec, label_spec, *, loss=None, optimizer=N
                       logs=marks.get("logs"))
 
 
-def _serial_loops() -> None:
+def _serial_loops(enabled: bool = True) -> None:
     """Run the ``tf.while_loop``s of the step being traced one iteration at a time, as the
     rewritten step runs them (``rewrite._LOOP_PARALLEL``), so that what is profiled (each
     node's time, what a loop's body holds while it runs: :func:`_loop_body_transients`) is
@@ -560,6 +561,8 @@ def _serial_loops() -> None:
     import tensorflow as tf
     from tensorflow.core.framework import attr_value_pb2
 
+    if not enabled:
+        return
     for op in tf.compat.v1.get_default_graph().get_operations():
         if op.type in ("While", "StatelessWhile") and op.get_attr("parallel_iterations") > 1:
             op._set_attr("parallel_iterations", attr_value_pb2.AttrValue(i=1))  # noqa: SLF001
