@@ -1097,7 +1097,7 @@ def run_case(name, fractions, time_limit, plans=None, weighted=False):
     import keras
 
     keras.utils.set_random_seed(1)
-    model, xs, ys = MODELS[name]()
+    model, xs, ys = _build(name)
     # a model's own train_step is what optimize plans and fit runs: the plain step is it, and
     # its update (it takes and applies its gradients inside) is compared in place of gradients
     own = overrides_train_step(model) is not None
@@ -1227,7 +1227,7 @@ def first_call_case(name, frac, time_limit):
     import keras
 
     keras.utils.set_random_seed(1)
-    model, xs, ys = MODELS[name]()
+    model, xs, ys = _build(name)
     xa, ya = _data(xs, ys, model)
     model.train_on_batch(xa, ya)
     ref = trace_training_step(model, xs, ys, conv_gradients="tensorflow",
@@ -1318,6 +1318,20 @@ NOTES = """\
 """
 
 
+#: --batch: the batch size every builder is called with (None: each builder's own)
+BATCH = None
+
+
+def _build(name):
+    import inspect
+
+    if not BATCH:
+        return MODELS[name]()
+    if "batch" not in inspect.signature(MODELS[name]).parameters:
+        raise SystemExit(f"--batch: the {name} builder takes no batch size")
+    return MODELS[name](batch=BATCH)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
@@ -1333,10 +1347,14 @@ def main(argv=None):
                    help="solve the step with per-sample weights (optimize's "
                         "sample_weight_spec), compare it with Keras's weighted step and fit "
                         "with class_weight")
+    p.add_argument("--batch", type=int, default=None,
+                   help="the batch size for every model (default: each model's own)")
     p.add_argument("--case", default=None, help=argparse.SUPPRESS)   # child process
     p.add_argument("--first", default=None, help=argparse.SUPPRESS)  # child process
     args = p.parse_args(argv)
     fractions = [float(f) for f in args.fractions.split(",")]
+    global BATCH
+    BATCH = args.batch
     if args.case:
         print("RESULT " + json.dumps(run_case(args.case, fractions, args.time_limit,
                                               args.plans, args.weighted)),
@@ -1355,6 +1373,8 @@ def main(argv=None):
             cmd += ["--plans", os.path.abspath(args.plans)]
         if args.weighted:
             cmd += ["--weighted"]
+        if args.batch:
+            cmd += ["--batch", str(args.batch)]
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
         res = next((json.loads(line[7:]) for line in proc.stdout.splitlines()
                     if line.startswith("RESULT ")), None)
