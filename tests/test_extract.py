@@ -466,8 +466,9 @@ def test_conv3d_gradients_as_products_equal_tensorflows(monkeypatch):
     """Conv3D gradients as products (forced here: ``optimize`` measures per layer which takes
     less memory) equal TensorFlow's kernels': filter gradients as one 2-D patch product per
     depth tap, input gradients as flipped stride-1 Conv3Ds of the zero-dilated output gradient;
-    'SAME' and 'VALID', strides per axis, even and uneven kernels, 1x1x1 layers. Same sums in
-    another order: float32 reassociation, so 1e-5 of the largest."""
+    'SAME' and 'VALID', strides per axis, even and uneven kernels, 1x1x1 layers; Conv3DTranspose
+    kernel gradients as the same products. Same sums in another order: float32
+    reassociation, so 1e-5 of the largest."""
     import numpy as np
 
     from tf_remat import extract as extract_module
@@ -483,6 +484,8 @@ def test_conv3d_gradients_as_products_equal_tensorflows(monkeypatch):
         h = keras.layers.Conv3D(8, (2, 3, 3), padding="valid")(h)
         h = keras.layers.Conv3D(8, (3, 2, 1), strides=(2, 1, 1), padding="same")(h)
         h = keras.layers.Conv3D(8, 2, strides=3, padding="same")(h)
+        h = keras.layers.Conv3DTranspose(8, 3, strides=2, padding="same")(h)
+        h = keras.layers.Conv3DTranspose(4, 2, strides=(1, 2, 2), activation="relu")(h)
         m = keras.Model(inp, keras.layers.Dense(10)(keras.layers.Flatten()(h)))
         m.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   optimizer="sgd")
@@ -491,7 +494,7 @@ def test_conv3d_gradients_as_products_equal_tensorflows(monkeypatch):
     x = tf.random.stateless_normal((4, 7, 12, 12, 8), seed=(1, 2))
     y = tf.constant(np.arange(4) % 10, tf.int32)
     monkeypatch.setattr(extract_module, "_PATCH_GRAD_BYTES", 1 << 18)
-    monkeypatch.setattr(extract_module, "_conv3d_products_smaller", lambda *a: True)
+    monkeypatch.setattr(extract_module, "_conv3d_products_smaller", lambda *a, **k: True)
     grads, types = {}, {}
     for m in ("tensorflow", "matmul"):
         monkeypatch.setenv("TF_REMAT_CONV_GRADIENTS", m)
@@ -501,11 +504,13 @@ def test_conv3d_gradients_as_products_equal_tensorflows(monkeypatch):
         types[m] = collections.Counter(op.type for op in t.function.graph.get_operations())
     for a, b in zip(grads["tensorflow"], grads["matmul"]):
         assert np.max(np.abs(a - b)) <= 1e-5 * max(np.max(np.abs(a)), 1e-30), a.shape
-    # (the first layer's input gradient is traced too, and pruned: nothing reads it)
-    assert types["tensorflow"]["Conv3DBackpropFilterV2"] == 7
-    assert types["tensorflow"]["Conv3DBackpropInputV2"] == 7
-    assert types["matmul"]["Conv3DBackpropFilterV2"] == types["matmul"]["Conv3DBackpropInputV2"] \
-        == 0
+    # (the first layer's input gradient is traced too, and pruned: nothing reads it); the two
+    # transposed layers are Conv3DBackpropInputV2 ops run forward, whose input gradients are
+    # Conv3Ds both ways
+    assert types["tensorflow"]["Conv3DBackpropFilterV2"] == 7 + 2
+    assert types["tensorflow"]["Conv3DBackpropInputV2"] == 7 + 2
+    assert types["matmul"]["Conv3DBackpropFilterV2"] == 0
+    assert types["matmul"]["Conv3DBackpropInputV2"] == 2
     assert types["matmul"]["Conv3D"] == types["tensorflow"]["Conv3D"] + 7  # flipped ones
 
 

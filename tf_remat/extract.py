@@ -891,8 +891,8 @@ def _loop_body_transients(events, node_of, graph, kind) -> dict:
     a body's ops freely, so the figure is what this run held, not a bound. A ConvLSTM2D's
     gradient loop held about 36 MiB so (its eight convolutions' patch products, taken
     together), which the plan did not count: it simulated 112 MiB and measured 145."""
-    loops = {name for name in node_of
-             if graph.get_operation_by_name(name).type in ("While", "StatelessWhile")}
+    loops = {op.name for op in graph.get_operations()
+             if op.type in ("While", "StatelessWhile") and op.name in node_of}
     if not loops:
         return {}
 
@@ -1632,7 +1632,7 @@ def _flipped_input_gradient3d(x, w, grad, padding, strides):
 _CONV3D_CHOICE = {}
 
 
-def _conv3d_products_smaller(x, w, dy, padding, strides) -> bool:
+def _conv3d_products_smaller(x, w, dy, padding, strides, filter_only=False) -> bool:
     """Whether a ``Conv3D``'s gradients as products (:func:`_depthwise_split_filter_gradient`,
     :func:`_flipped_input_gradient3d`) peak lower than TensorFlow's backprop kernels, run once
     each on zeros of the layer's shapes with the CPU allocator's statistics.
@@ -1640,19 +1640,24 @@ def _conv3d_products_smaller(x, w, dy, padding, strides) -> bool:
     Neither always wins, and no formula tells which: TensorFlow's kernels took 263 MiB of
     scratch for a 3x3x3 layer of 8x6x32x32x32 and under 1 MiB for one of 8x8x32x32x16, where
     the products' slices of up to 8 MiB and their padded copies cost more. Without statistics
-    (another allocator) the products are taken where one sample's im2col matrix is over 32 MiB.
+    (another allocator) the products are taken where one sample's im2col matrix is over 32 MiB;
+    so they are, unmeasured, where the batch's would be over 256 MiB (the kernels' scratch,
+    when they take it, was 1.5 times that: trying them could exhaust the memory the step is
+    being planned to save). ``filter_only`` compares the filter gradients alone (a
+    ``Conv3DTranspose`` layer's, whose input gradient is a forward ``Conv3D`` either way).
     """
     import numpy as np
     import tensorflow as tf
 
     key = (tuple(x.shape.as_list()), tuple(w.shape.as_list()), tuple(dy.shape.as_list()),
-           padding, strides, x.dtype.name)
+           padding, strides, x.dtype.name, filter_only)
     if key in _CONV3D_CHOICE:
         return _CONV3D_CHOICE[key]
     device = "GPU:0" if tf.config.list_logical_devices("GPU") else "CPU:0"
-    if memory_stats_missing(device):
-        kd, kh, kw, ci, _ = key[1]
-        choice = int(np.prod(key[2][1:4])) * kd * kh * kw * ci * x.dtype.size > (32 << 20)
+    kd, kh, kw, ci, _ = key[1]
+    im2col = int(np.prod(key[2][1:4])) * kd * kh * kw * ci * x.dtype.size  # one sample's
+    if memory_stats_missing(device) or im2col * key[2][0] > (256 << 20):
+        choice = im2col > (32 << 20) or im2col * key[2][0] > (256 << 20)
         _CONV3D_CHOICE[key] = choice
         return choice
     xs, ws, ys = (tf.TensorSpec(k, x.dtype) for k in key[:3])
@@ -1660,14 +1665,16 @@ def _conv3d_products_smaller(x, w, dy, padding, strides) -> bool:
     @tf.function(input_signature=[xs, ws, ys], autograph=False)
     def kernels(a, b, d):
         s = [1, *strides, 1]
+        dw = tf.raw_ops.Conv3DBackpropFilterV2(input=a, filter_sizes=key[1], out_backprop=d,
+                                               strides=s, padding=padding)
+        if filter_only:
+            return (dw,)
         return (tf.raw_ops.Conv3DBackpropInputV2(input_sizes=key[0], filter=b, out_backprop=d,
-                                                 strides=s, padding=padding),
-                tf.raw_ops.Conv3DBackpropFilterV2(input=a, filter_sizes=key[1],
-                                                  out_backprop=d, strides=s, padding=padding))
+                                                 strides=s, padding=padding), dw)
 
     @tf.function(input_signature=[xs, ws, ys], autograph=False)
     def products(a, b, d):
-        dx = _flipped_input_gradient3d(a, b, d, padding, strides)
+        dx = None if filter_only else _flipped_input_gradient3d(a, b, d, padding, strides)
         with tf.control_dependencies([dx] if dx is not None else []):
             dw = _depthwise_split_filter_gradient(a, b, d, padding, strides)
         return (dx if dx is not None else tf.zeros(()),
@@ -1708,10 +1715,36 @@ def _conv3d_gradient(op, grad):
     return [dx, dw]
 
 
+def _conv3d_transpose_gradient(op, grad):
+    """Gradients of a ``Conv3DBackpropInputV2`` run forward (a ``Conv3DTranspose`` layer), its
+    kernel's as products where that takes less memory, as :func:`_conv2d_transpose_gradient`
+    does in two dimensions: read as a convolution, the op maps a tensor shaped like its output
+    (``grad``) by its kernel to its input, so the kernel's gradient is that convolution's
+    filter gradient (:func:`_depthwise_split_filter_gradient`)."""
+    import tensorflow as tf
+
+    w, small = op.inputs[1], op.inputs[2]
+    strides = list(op.get_attr("strides"))
+    padding = op.get_attr("padding").decode()
+    dw = None
+    if op.get_attr("data_format") == b"NDHWC" and list(op.get_attr("dilations")) == [1] * 5 \
+            and strides[0] == strides[4] == 1 and padding in ("SAME", "VALID") \
+            and all(t.shape.is_fully_defined() for t in (w, small, grad)) \
+            and grad.dtype in (tf.float32, tf.float16, tf.bfloat16, tf.float64) \
+            and grad.shape[-1] == w.shape[3] and small.shape[-1] == w.shape[4] \
+            and _conv3d_products_smaller(grad, w, small, padding, tuple(strides[1:4]),
+                                         filter_only=True):
+        dw = _depthwise_split_filter_gradient(grad, w, small, padding, tuple(strides[1:4]))
+    if dw is None:
+        return _TF_GRADS["Conv3DBackpropInputV2"](op, grad)
+    # the input's gradient is TensorFlow's: the forward convolution
+    return [None, dw, tf.nn.conv3d(grad, w, strides=strides, padding=padding)]
+
+
 #: TensorFlow's registered gradient functions, while _matmul_conv_gradients has them swapped
 _TF_GRADS = {}
 _OWN_GRADS = {"Conv2D": _conv2d_gradient, "Conv2DBackpropInput": _conv2d_transpose_gradient,
-              "Conv3D": _conv3d_gradient}
+              "Conv3D": _conv3d_gradient, "Conv3DBackpropInputV2": _conv3d_transpose_gradient}
 
 
 @contextlib.contextmanager
