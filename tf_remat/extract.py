@@ -858,8 +858,7 @@ def measure_workspace(traced: TracedStep, op_map: OpMap, *, x=None, y=None) -> l
     # the filter gradients of a shared layer's two calls (22 and 10 MiB of scratch) did in a
     # rewritten siamese step and not in the profiled run, whose figure was the larger alone
     live, held, per_op = {}, {}, {}
-    for o, b in _loop_body_transients(events, node_of, traced.function.graph, kind).items():
-        per_op[o] = b
+    per_op.update(_loop_body_transients(events, node_of, traced.function.graph, kind))
     for _, alloc, st in events:
         o = st.get("tf_op")
         if alloc:
@@ -1509,11 +1508,15 @@ def _flipped_input_gradient(op, grad):
 def _conv2d_gradient(op, grad):
     conv = _plain_conv(op, grad)
     dw = None if conv is None else _patch_filter_gradient(conv[0], conv[1], grad, *conv[2:])
-    dx = _flipped_input_gradient(op, grad)
+    return _completed(op, grad, _flipped_input_gradient(op, grad), dw)
+
+
+def _completed(op, grad, dx, dw):
+    """``[dx, dw]`` of a convolution op, TensorFlow's gradient standing in for whichever of the
+    two is None: the op it makes that nothing reads is dead, and TensorFlow (and extract)
+    prune it."""
     if dw is None or dx is None:
-        # TensorFlow's gradient for what is left; the op it makes that nothing reads is dead,
-        # and TensorFlow (and extract) prune it
-        tf_dx, tf_dw = _TF_GRADS["Conv2D"](op, grad)
+        tf_dx, tf_dw = _TF_GRADS[op.type](op, grad)
         dx = tf_dx if dx is None else dx
         dw = tf_dw if dw is None else dw
     return [dx, dw]
@@ -1708,11 +1711,7 @@ def _conv3d_gradient(op, grad):
         x, w, padding, strides = conv
         dw = _depthwise_split_filter_gradient(x, w, grad, padding, strides)
         dx = _flipped_input_gradient3d(x, w, grad, padding, strides)
-    if dw is None or dx is None:
-        tf_dx, tf_dw = _TF_GRADS["Conv3D"](op, grad)
-        dx = tf_dx if dx is None else dx
-        dw = tf_dw if dw is None else dw
-    return [dx, dw]
+    return _completed(op, grad, dx, dw)
 
 
 def _conv3d_transpose_gradient(op, grad):
