@@ -124,7 +124,10 @@ _SIDE_EFFECT_RE = re.compile(rf"^({_VARIABLE_UPDATE}|"
 _RANDOM_RE = re.compile(r"(Random|Multinomial|TruncatedNormal|Shuffle)")
 _NOT_RANDOM = frozenset({"StatelessRandomGetKeyCounter", "StatelessRandomGetAlg",
                          "StatelessRandomGetKeyCounterAlg", "RandomDataset"})
-#: stateful-registered ops that are safe to run again (they read, they do not write)
+#: ops that read a variable's current value (a copy run after an update sees the new value)
+_VARIABLE_READS = frozenset({"ReadVariableOp", "ResourceGather", "ResourceGatherNd"})
+#: stateful-registered ops that are safe to run again (they read, they do not write; a read
+#: of a variable the step writes after it is not: :meth:`_Analysis._stale_rereads`)
 _HARMLESS_STATEFUL = frozenset({
     "ReadVariableOp", "VarHandleOp", "Placeholder", "Assert", "VarIsInitializedOp",
     "ResourceGather", "ResourceGatherNd", "NoOp",
@@ -2361,6 +2364,32 @@ class _Analysis:
                             "static shapes (ops like Where / Unique / dynamic slicing give "
                             f"data-dependent shapes).{hint}")
 
+    def _stale_rereads(self) -> set:
+        """Variable reads inside nodes (ordered after an update by automatic control edges:
+        a GAN's second pass reading the updated discriminator, a seed generator's second
+        draw) whose variable is written again later in the step. A copy of such a read would
+        see the later value, so the node that holds it must run once. Accesses to one
+        variable keep their program order in the traced graph, so "later" is a higher
+        topological index."""
+        def handle(j, k):
+            # a resource handle, through any Identity of it, named by its producer
+            i, x = self.inputs[j][k]
+            while self.ops[i].type == "Identity" and self.inputs[i]:
+                i, x = self.inputs[i][0]
+            return i, x
+
+        last_write = {}
+        for j, op in enumerate(self.ops):
+            if not _non_recomputable(op, self.phase[j] == 0):
+                continue
+            for k, t in enumerate(op.inputs):
+                if t.dtype.name == "resource":
+                    h = handle(j, k)
+                    last_write[h] = max(last_write.get(h, -1), j)
+        return {j for j, op in enumerate(self.ops)
+                if op.type in _VARIABLE_READS and self.inputs[j]
+                and last_write.get(handle(j, 0), -1) > j}
+
     def _static_inputs(self, j):
         return all(t.shape.is_fully_defined() for t in self.ops[j].inputs)
 
@@ -2772,7 +2801,8 @@ class _Analysis:
                 continue
             fixed += sum(counted_bytes(b, dev) for b in self.out_bytes[j])
         backward = [all(self.phase[j] > 0 for j in node_ops[v]) for v in range(n)]
-        recomputable = [not any(_non_recomputable(ops[j], self.phase[j] == 0)
+        stale = self._stale_rereads()
+        recomputable = [not any(_non_recomputable(ops[j], self.phase[j] == 0) or j in stale
                                 for j in node_ops[v])
                         for v in range(n)]
         names = [_node_name(ops, node_ops[v]) for v in range(n)]

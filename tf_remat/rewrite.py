@@ -40,7 +40,10 @@ Correctness (see ``tests/test_rewrite.py``):
 * every copy reads weights through the fixed ``ReadVariableOp`` of the original step, which the
   original automatic control dependencies order before the variable's update; a read value that
   is still referenced when its variable is updated is kept (resource variables copy on write),
-  so no copy reads an updated weight;
+  so no copy reads an updated weight. A read inside a node (ordered after an update: a GAN's
+  second pass through the updated discriminator, a seed generator's second draw) is copied with
+  its node, so a node holding a read of a variable the step writes again later is not
+  recomputable (``_Analysis._stale_rereads`` in :mod:`tf_remat.extract`);
 * ops in non-recomputable nodes (optimizer and BatchNorm statistics updates, RNG state) are
   emitted once: :func:`tf_remat.plan.simulate` refuses a plan that computes them twice;
 * stateless random ops (Keras dropout) read their seed from a fixed read of the seed variable,
