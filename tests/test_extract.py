@@ -799,10 +799,12 @@ def test_what_a_loop_body_holds_while_it_runs_is_counted(monkeypatch):
     buffers come and go inside the loop, named after the loop's body, no node of the graph.
     They are counted as the loop's scratch (a workspace node), so the simulated peak of the
     step without rematerialization is near what its kernels request; left out, it was 0.69
-    of it. The figure is what the profiled run held, which the rewritten step's free-running
-    body need not repeat exactly (1.10 times the requests here), so the bound is loose above."""
+    of it without oneDNN (oneDNN's convolution gradients hold little: 1.01 and 1.12 with
+    them counted). The figure is what the profiled run held, which the rewritten step's
+    free-running body need not repeat exactly (1.10 times the requests without oneDNN), so
+    the bound is loose above."""
     from tf_remat import extract as extract_module
-    from tf_remat.extract import extract
+    from tf_remat.extract import extract, onednn_enabled
     from tf_remat.rewrite import rewrite
     from tf_remat.solvers import solve
 
@@ -830,8 +832,13 @@ def test_what_a_loop_body_holds_while_it_runs_is_counted(monkeypatch):
         step = rewrite(ex.traced, g, ex.op_map, solve(g, g.no_remat_peak, "checkpoint-all"))
         ratio[counted] = g.no_remat_peak / requested_peak(step.function, x, y,
                                                           ex.traced.variables)
-    assert loop_scratch[True] >= loop_scratch[False] + 4 * 2**20, loop_scratch
-    assert 0.95 <= ratio[True] <= 1.25 and ratio[False] <= 0.85, ratio
+    assert 0.95 <= ratio[True] <= 1.25, ratio
+    assert loop_scratch[True] >= loop_scratch[False], loop_scratch
+    if not onednn_enabled():
+        # TensorFlow's own convolution gradients hold im2col buffers; oneDNN's hold little
+        # (there the figures with and without the body's buffers are 1.12 and 1.01)
+        assert loop_scratch[True] >= loop_scratch[False] + 4 * 2**20, loop_scratch
+        assert ratio[False] <= 0.85, ratio
 
 
 # --------------------------------------------------------------------- profiling
