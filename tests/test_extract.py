@@ -799,8 +799,8 @@ def test_what_a_loop_body_holds_while_it_runs_is_counted(monkeypatch):
     buffers come and go inside the loop, named after the loop's body, no node of the graph.
     They are counted as the loop's scratch (a workspace node), so the simulated peak of the
     step without rematerialization is near what its kernels request; left out, it was 0.69
-    of it without oneDNN (oneDNN's convolution gradients hold little: 1.01 and 1.12 with
-    them counted). The figure is what the profiled run held, which the rewritten step's
+    of it without oneDNN (oneDNN's convolution gradients hold little: 1.01 left out, 1.12
+    counted). The figure is what the profiled run held, which the rewritten step's
     free-running body need not repeat exactly (1.10 times the requests without oneDNN), so
     the bound is loose above."""
     from tf_remat import extract as extract_module
