@@ -1035,12 +1035,14 @@ def test_a_batch_of_other_dimensions_gets_a_plan_of_its_own():
         return model, tf.TensorSpec((32, 256, 8)), tf.TensorSpec((32,), tf.int32)
 
     model, xs, ys = fresh(build)
-    # a budget a little over the spec's plain step, which the longer one (1.5 times the
-    # activations) meets only by recomputing
-    _, base, _ = baseline_peak(model, xs, ys)
-    budget = int(1.1 * base)
-    step = tf_remat.optimize(model, budget_bytes=budget, input_spec=xs, label_spec=ys, **FAST)
+    # a budget a little over the spec's plain step and under the longer one's (1.5 times the
+    # activations; where the kernels hold little, as oneDNN's, 1.1 times the first step's
+    # peak is under what any plan for the longer one measures)
     longer = tf.TensorSpec((32, 384, 8))
+    _, base, _ = baseline_peak(model, xs, ys)
+    _, longer_base, _ = baseline_peak(model, longer, ys)
+    budget = int(max(1.1 * base, 0.9 * longer_base))
+    step = tf_remat.optimize(model, budget_bytes=budget, input_spec=xs, label_spec=ys, **FAST)
     x, y = (tf.constant(a) for a in data(longer, ys))
     g1, g2 = plain_and_step_gradients(model, longer, ys, step, x, y)
     scale = max(float(np.abs(g).max()) for g in g1)
@@ -1050,8 +1052,7 @@ def test_a_batch_of_other_dimensions_gets_a_plan_of_its_own():
     history = model.fit(x.numpy(), y.numpy(), batch_size=32, epochs=2, verbose=0)
     assert np.all(np.isfinite(history.history["loss"]))
     built, = [b for k, b in step._train.items() if k[-1] == key]
-    assert built.extraction.graph.no_remat_peak > budget
-    assert built.measured["step_peak_bytes"] <= budget
+    assert longer_base > budget >= built.measured["step_peak_bytes"]
     assert step.budget_bytes == budget
     with pytest.raises(ValueError, match="x has batch size 32; y has batch size 8"):
         step(x, y[:8])
