@@ -217,6 +217,9 @@ class OpMap:
             (a BatchNorm's squared differences before their mean): held only while the node
             runs, so the graph does not count them, but nodes run side by side hold theirs at
             once (see :func:`tf_remat.plan.concurrent_groups`). Empty: unknown.
+        pinned_ops: variable reads in nodes whose variable the step writes again after them
+            (small ones: a seed generator's state): a recomputed copy of their node reads
+            the first read's value instead of reading the variable again.
     """
 
     nodes: tuple
@@ -228,9 +231,11 @@ class OpMap:
     static_shapes: dict = dataclasses.field(default_factory=dict)
     bypass_ops: dict = dataclasses.field(default_factory=dict)
     transient: tuple = ()
+    pinned_ops: tuple = ()
 
     def __post_init__(self):
         self.sink_ops = tuple(map(str, self.sink_ops))
+        self.pinned_ops = tuple(map(str, self.pinned_ops))
         self.bypass_ops = {str(k): [str(t) for t in v] for k, v in dict(self.bypass_ops).items()}
         self.static_shapes = {str(k): [list(map(int, o)) if isinstance(o, (list, tuple))
                                        else int(o) for o in v]
@@ -260,7 +265,7 @@ class OpMap:
                 "outputs": list(self.outputs),
                 "buffers": [[list(b) for b in bufs] for bufs in self.buffers],
                 "static_shapes": self.static_shapes, "bypass_ops": self.bypass_ops,
-                "transient": list(self.transient)}
+                "transient": list(self.transient), "pinned_ops": list(self.pinned_ops)}
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the op map as JSON (by convention ``<graph>.ops.json`` beside the graph)."""
@@ -278,7 +283,8 @@ class OpMap:
                    buffers=doc.get("buffers", ()),
                    static_shapes=doc.get("static_shapes", {}),
                    bypass_ops=doc.get("bypass_ops", {}),
-                   transient=doc.get("transient", ()))
+                   transient=doc.get("transient", ()),
+                   pinned_ops=doc.get("pinned_ops", ()))
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "OpMap":
@@ -2801,9 +2807,15 @@ class _Analysis:
                 continue
             fixed += sum(counted_bytes(b, dev) for b in self.out_bytes[j])
         backward = [all(self.phase[j] > 0 for j in node_ops[v]) for v in range(n)]
+        # a read of a variable written again later: a small one (a seed generator's state,
+        # read again by a Dropout layer called twice) is pinned, its copies reading the first
+        # read; a copy of a large one would hold the old value beside the new, which the
+        # graph does not count, so its node runs once
         stale = self._stale_rereads()
-        recomputable = [not any(_non_recomputable(ops[j], self.phase[j] == 0) or j in stale
-                                for j in node_ops[v])
+        pinned = {j for j in stale if node[j] and
+                  max(self.out_bytes[j], default=0) < _MIN_SCHEDULED}
+        recomputable = [not any(_non_recomputable(ops[j], self.phase[j] == 0) or
+                                (j in stale and j not in pinned) for j in node_ops[v])
                         for v in range(n)]
         names = [_node_name(ops, node_ops[v]) for v in range(n)]
         op_map = OpMap(nodes=[[ops[j].name for j in node_ops[v]] for v in range(n)],
@@ -2811,7 +2823,7 @@ class _Analysis:
                        outputs=[t.name for t in self.fgraph.outputs], buffers=buffers,
                        static_shapes=static_shapes,
                        bypass_ops={ops[j].name: v for j, v in self.bypass.items()},
-                       transient=transient)
+                       transient=transient, pinned_ops=[ops[j].name for j in sorted(pinned)])
         fields = dict(memory=memory, edges=sorted(edges), order=list(range(n)),
                       outputs=list(dict.fromkeys(outputs)), fixed_memory=fixed,
                       backward=backward, recomputable=recomputable, names=names)

@@ -42,8 +42,9 @@ Correctness (see ``tests/test_rewrite.py``):
   is still referenced when its variable is updated is kept (resource variables copy on write),
   so no copy reads an updated weight. A read inside a node (ordered after an update: a GAN's
   second pass through the updated discriminator, a seed generator's second draw) is copied with
-  its node, so a node holding a read of a variable the step writes again later is not
-  recomputable (``_Analysis._stale_rereads`` in :mod:`tf_remat.extract`);
+  its node, unless the step writes its variable again later (``_Analysis._stale_rereads`` in
+  :mod:`tf_remat.extract`): then a small read (a seed) is pinned (``OpMap.pinned_ops``: every
+  copy reads the first read's value) and a node with a large one is not recomputable;
 * ops in non-recomputable nodes (optimizer and BatchNorm statistics updates, RNG state) are
   emitted once: :func:`tf_remat.plan.simulate` refuses a plan that computes them twice;
 * stateless random ops (Keras dropout) read their seed from a fixed read of the seed variable,
@@ -176,6 +177,7 @@ def build_graph_def(traced, op_map, sequence, *, chain: str = "op", runs=None):
     drop = set(op_map.sink_ops) | set(op_map.dead_ops)
     bypass = op_map.bypass_ops
     static = op_map.static_shapes
+    pinned = set(op_map.pinned_ops)
     n = op_map.n
     current = [-1] * n        # newest copy of each node
     count = [0] * n           # copies made so far
@@ -239,7 +241,7 @@ def build_graph_def(traced, op_map, sequence, *, chain: str = "op", runs=None):
                 return None
             raise RematError(f"op {name!r} is marked dead in the op map but is read")
         v = node_of.get(name)
-        if v is None:  # a fixed op
+        if v is None or name in pinned:  # a fixed op, or a read every copy shares
             return ref
         c = own_copy if v == own_node else current[v]
         if c < 0:
@@ -297,7 +299,10 @@ def build_graph_def(traced, op_map, sequence, *, chain: str = "op", runs=None):
                 for r in by_name[o].input:
                     p, _ = parse(r)
                     if p in members:
-                        fed.add(o)
+                        # (a pinned read is in no copy but the first: what it feeds heads
+                        # every copy)
+                        if p not in pinned:
+                            fed.add(o)
                         consumed.add(p)
             in_node_sets[v] = ([o for o in ops if o not in fed],
                                _chain_tails([o for o in ops if o not in consumed], members,
@@ -310,6 +315,8 @@ def build_graph_def(traced, op_map, sequence, *, chain: str = "op", runs=None):
         tail_before = {}
         pair_gates = {}       # (tensor, edges) -> the gate a fused pair of this copy reads
         for o in ops:
+            if k and o in pinned:
+                continue  # the first copy's read, which a later read would not repeat
             nd = by_name[o]
             c = out.node.add()
             c.CopyFrom(nd)
@@ -374,9 +381,9 @@ def build_graph_def(traced, op_map, sequence, *, chain: str = "op", runs=None):
                 else:
                     prev_tail = prev_tail + [c.name]
         if chain == "node":
-            prev_tail = [copy_name(o, k) for o in tails]
+            prev_tail = [copy_name(o, 0 if o in pinned else k) for o in tails]
         elif chain == "run":
-            run_tails += [copy_name(o, k) for o in tails]
+            run_tails += [copy_name(o, 0 if o in pinned else k) for o in tails]
         current[v] = k
     if chain == "run":
         prev_tail = run_tails
