@@ -948,6 +948,137 @@ def specnorm(batch=32, hw=32):
     return model, tf.TensorSpec((batch, hw, hw, 3)), tf.TensorSpec((batch,), tf.int32)
 
 
+def onehot(batch=32, hw=32):
+    """The way a tutorial writes it: string loss and optimizer (``"categorical_crossentropy"``
+    on one-hot float labels, ``"adam"``), a softmax output, residual blocks with BatchNorm and
+    Dropout, 1x1 projections."""
+    import keras
+    import tensorflow as tf
+
+    inp = keras.Input((hw, hw, 3))
+    h = keras.layers.Conv2D(32, 3, padding="same", use_bias=False)(inp)
+    h = keras.layers.BatchNormalization()(h)
+    h = keras.layers.Activation("relu")(h)
+    for f in (32, 64, 64):
+        r = keras.layers.Conv2D(f, 3, padding="same")(h)
+        r = keras.layers.BatchNormalization()(r)
+        r = keras.layers.Activation("relu")(r)
+        r = keras.layers.Dropout(0.1)(r)
+        r = keras.layers.Conv2D(f, 3, padding="same")(r)
+        r = keras.layers.BatchNormalization()(r)
+        s = h if h.shape[-1] == f else keras.layers.Conv2D(f, 1)(h)
+        h = keras.layers.Activation("relu")(keras.layers.add([s, r]))
+    h = keras.layers.GlobalAveragePooling2D()(h)
+    h = keras.layers.Dropout(0.3)(h)
+    out = keras.layers.Dense(10, activation="softmax")(h)
+    model = keras.Model(inp, out)
+    model.compile(loss="categorical_crossentropy", optimizer="adam", metrics=["accuracy"])
+    return model, tf.TensorSpec((batch, hw, hw, 3)), tf.TensorSpec((batch, 10))
+
+
+def segment(batch=8, hw=64):
+    """Per-pixel regression (``"mse"``, ``"sgd"``): a U-Net with Conv2DTranspose upsampling,
+    concatenated skips, BatchNorm, SpatialDropout2D and Dropout, ELU."""
+    import keras
+    import tensorflow as tf
+
+    inp = keras.Input((hw, hw, 3))
+    e1 = keras.layers.Conv2D(16, 3, padding="same", activation="relu")(inp)
+    e1 = keras.layers.BatchNormalization()(e1)
+    p1 = keras.layers.MaxPooling2D()(e1)
+    e2 = keras.layers.Conv2D(32, 3, padding="same", activation="relu")(p1)
+    e2 = keras.layers.BatchNormalization()(e2)
+    e2 = keras.layers.SpatialDropout2D(0.1)(e2)
+    p2 = keras.layers.MaxPooling2D()(e2)
+    b = keras.layers.Conv2D(64, 3, padding="same", activation="elu")(p2)
+    b = keras.layers.Dropout(0.2)(b)
+    u2 = keras.layers.Conv2DTranspose(32, 2, strides=2)(b)
+    d2 = keras.layers.Concatenate()([u2, e2])
+    d2 = keras.layers.Conv2D(32, 3, padding="same", activation="relu")(d2)
+    u1 = keras.layers.Conv2DTranspose(16, 2, strides=2)(d2)
+    d1 = keras.layers.Concatenate()([u1, e1])
+    d1 = keras.layers.Conv2D(16, 3, padding="same", activation="relu")(d1)
+    out = keras.layers.Conv2D(1, 1)(d1)
+    model = keras.Model(inp, out)
+    model.compile(loss="mse", optimizer="sgd")
+    return model, tf.TensorSpec((batch, hw, hw, 3)), tf.TensorSpec((batch, hw, hw, 1))
+
+
+def binary(batch=32, hw=32):
+    """Binary classification (sigmoid, ``"binary_crossentropy"``, AUC metric, AdamW): Rescaling,
+    ZeroPadding2D, LeakyReLU, depthwise-separable residual blocks with swish, BatchNorm and
+    Dropout, AveragePooling2D, Flatten."""
+    import keras
+    import tensorflow as tf
+
+    inp = keras.Input((hw, hw, 3))
+    h = keras.layers.Rescaling(1 / 255.0)(inp)
+    h = keras.layers.ZeroPadding2D(1)(h)
+    h = keras.layers.Conv2D(32, 3, strides=1)(h)
+    h = keras.layers.BatchNormalization()(h)
+    h = keras.layers.LeakyReLU(0.1)(h)
+    for _ in range(3):
+        r = keras.layers.DepthwiseConv2D(3, padding="same")(h)
+        r = keras.layers.BatchNormalization()(r)
+        r = keras.layers.Activation("swish")(r)
+        r = keras.layers.Conv2D(32, 1)(r)
+        r = keras.layers.BatchNormalization()(r)
+        r = keras.layers.Dropout(0.1)(r)
+        h = keras.layers.Add()([h, r])
+    h = keras.layers.AveragePooling2D(2)(h)
+    h = keras.layers.Conv2D(64, 3, padding="same", activation="relu")(h)
+    h = keras.layers.Flatten()(h)
+    h = keras.layers.Dropout(0.5)(h)
+    out = keras.layers.Dense(1, activation="sigmoid")(h)
+    model = keras.Model(inp, out)
+    model.compile(loss="binary_crossentropy", optimizer=keras.optimizers.AdamW(1e-3),
+                  metrics=["accuracy", keras.metrics.AUC()])
+    return model, tf.TensorSpec((batch, hw, hw, 3)), tf.TensorSpec((batch, 1))
+
+
+def mha(batch=32, steps=64, vocab=1000, dim=64):
+    """Token ids through an Embedding, two post-norm blocks of MultiHeadAttention (attention
+    dropout) and a GELU feed-forward, BatchNorm after the second residual add, max pooling;
+    ``"rmsprop"``."""
+    import keras
+    import tensorflow as tf
+
+    inp = keras.Input((steps,), dtype="int32")
+    h = keras.layers.Embedding(vocab, dim)(inp)
+    for _ in range(2):
+        a = keras.layers.MultiHeadAttention(4, dim // 4, dropout=0.1)(h, h)
+        h = keras.layers.LayerNormalization()(keras.layers.Add()([h, a]))
+        f = keras.layers.Dense(4 * dim, activation="gelu")(h)
+        f = keras.layers.Dropout(0.1)(keras.layers.Dense(dim)(f))
+        h = keras.layers.BatchNormalization()(keras.layers.Add()([h, f]))
+    h = keras.layers.GlobalMaxPooling1D()(h)
+    out = keras.layers.Dense(5)(h)
+    model = keras.Model(inp, out)
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  optimizer="rmsprop", metrics=["accuracy"])
+    return model, tf.TensorSpec((batch, steps), tf.int32), tf.TensorSpec((batch,), tf.int32)
+
+
+def seqcnn(batch=32, hw=32):
+    """A ``keras.Sequential`` CNN (no skips): Conv2D-BatchNorm-ReLU, MaxPooling, Dropout,
+    Flatten, a softmax head under ``"sparse_categorical_crossentropy"`` and ``"adam"``."""
+    import keras
+    import tensorflow as tf
+
+    model = keras.Sequential([
+        keras.Input((hw, hw, 3)),
+        keras.layers.Conv2D(32, 3, padding="same"), keras.layers.BatchNormalization(),
+        keras.layers.ReLU(), keras.layers.Conv2D(32, 3, padding="same", activation="relu"),
+        keras.layers.MaxPooling2D(), keras.layers.Dropout(0.25),
+        keras.layers.Conv2D(64, 3, padding="same"), keras.layers.BatchNormalization(),
+        keras.layers.ReLU(), keras.layers.MaxPooling2D(), keras.layers.Dropout(0.25),
+        keras.layers.Flatten(), keras.layers.Dense(128, activation="relu"),
+        keras.layers.Dropout(0.5), keras.layers.Dense(10, activation="softmax")])
+    model.compile(loss="sparse_categorical_crossentropy", optimizer="adam",
+                  metrics=["accuracy"])
+    return model, tf.TensorSpec((batch, hw, hw, 3)), tf.TensorSpec((batch,), tf.int32)
+
+
 def _application(factory, hw, batch, optimizer):
     """A ``keras.applications`` model (weights=None) at a CPU-sized input and batch: sizes
     where activations, not the weights and optimizer slots, make up most of the step (at 64
@@ -986,6 +1117,8 @@ MODELS = {"resdrop": resdrop, "unet_bn": unet_bn, "densenet": densenet,
           "subclassed": subclassed, "augment": augment, "mixed": mixed, "gru": gru,
           "timedist": timedist, "deep_rnn": deep_rnn, "rdrop": rdrop,
           "masked": masked, "convlstm": convlstm, "specnorm": specnorm,
+          "onehot": onehot, "segment": segment, "binary": binary, "mha": mha,
+          "seqcnn": seqcnn,
           **VARIANTS, **APPLICATIONS}
 
 
@@ -1020,7 +1153,9 @@ def _data(xs, ys, model, n=None, seed=0):
 
     x = tf.nest.map_structure(features, xs)
     if hasattr(model, "outputs"):
-        widths = {k: int(o.shape[-1]) for k, o in zip(model.output_names, model.outputs)}
+        # (a Sequential has outputs but no output names)
+        names = getattr(model, "output_names", None) or range(len(model.outputs))
+        widths = {k: int(o.shape[-1]) for k, o in zip(names, model.outputs)}
         first = int(model.outputs[0].shape[-1])
     else:  # a subclassed model, perhaps not built yet: its last Dense layer's width
         widths = {}
