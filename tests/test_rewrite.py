@@ -194,10 +194,11 @@ def plan_for(ex, fraction, strategy="linearized-greedy"):
     return plan
 
 
-def updates_first_plan(graph):
+def updates_first_plan(graph, every_node=False):
     """An adversarial valid plan: optimizer and other stateful nodes run as soon as they can,
     and every forward input of a backward node is recomputed right before it, so recomputed
-    copies read weights whose update already ran."""
+    copies read weights whose update already ran. ``every_node``: every recomputable input of
+    every node is recomputed right before it."""
     g = graph
     indeg = [len(g.preds[v]) for v in range(g.n)]
     pos = g.position
@@ -207,9 +208,9 @@ def updates_first_plan(graph):
     seq = []
     while ready:
         v = heapq.heappop(ready)[2]
-        if g.backward[v]:
+        if every_node or g.backward[v]:
             seq.extend(u for u in sorted(g.preds[v], key=pos.__getitem__)
-                       if not g.backward[u] and g.recomputable[u])
+                       if g.recomputable[u] and (every_node or not g.backward[u]))
         seq.append(v)
         for s in g.succs[v]:
             indeg[s] -= 1
@@ -389,22 +390,8 @@ def test_a_read_of_a_variable_the_step_writes_again_is_read_once():
         set(ex.op_map.pinned_ops) and len(ex.op_map.pinned_ops) == 2
     holding = [v for v in holding if g.recomputable[v]]
     assert holding
-    # an adversary: every recomputable input of every node computed again right before it
-    indeg = [len(g.preds[v]) for v in range(g.n)]
-    key = lambda v: (g.recomputable[v], g.position[v], v)  # noqa: E731
-    ready = [key(v) for v in range(g.n) if indeg[v] == 0]
-    heapq.heapify(ready)
-    seq = []
-    while ready:
-        v = heapq.heappop(ready)[2]
-        seq.extend(u for u in sorted(g.preds[v], key=g.position.__getitem__)
-                   if g.recomputable[u])
-        seq.append(v)
-        for s in g.succs[v]:
-            indeg[s] -= 1
-            if indeg[s] == 0:
-                heapq.heappush(ready, key(s))
-    plan = make_plan(g, Schedule(sequence=seq), 2**62, strategy="recompute-all")
+    plan = updates_first_plan(g, every_node=True)
+    seq = list(plan.sequence)
     assert any(seq.count(v) > 1 for v in holding)
     x = tf.constant(np.random.default_rng(0).random((256, 256), dtype=np.float32))
     for chain in ("op", "node"):

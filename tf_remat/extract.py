@@ -2374,9 +2374,9 @@ class _Analysis:
         """Variable reads inside nodes (ordered after an update by automatic control edges:
         a GAN's second pass reading the updated discriminator, a seed generator's second
         draw) whose variable is written again later in the step. A copy of such a read would
-        see the later value, so the node that holds it must run once. Accesses to one
-        variable keep their program order in the traced graph, so "later" is a higher
-        topological index."""
+        see the later value (:meth:`build` pins the small ones and keeps nodes with large
+        ones from running twice). Accesses to one variable keep their program order in the
+        traced graph, so "later" is a higher topological index."""
         def handle(j, k):
             # a resource handle, through any Identity of it, named by its producer
             i, x = self.inputs[j][k]

@@ -47,8 +47,8 @@ Correctness (see ``tests/test_rewrite.py``):
   copy reads the first read's value) and a node with a large one is not recomputable;
 * ops in non-recomputable nodes (optimizer and BatchNorm statistics updates, RNG state) are
   emitted once: :func:`tf_remat.plan.simulate` refuses a plan that computes them twice;
-* stateless random ops (Keras dropout) read their seed from a fixed read of the seed variable,
-  so a recomputed dropout mask equals the first one.
+* stateless random ops (Keras dropout) read their seed from a fixed or a pinned read of the
+  seed variable, so a recomputed dropout mask equals the first one.
 """
 
 from __future__ import annotations
