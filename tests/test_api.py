@@ -1041,7 +1041,7 @@ def test_a_batch_of_other_dimensions_gets_a_plan_of_its_own():
     longer = tf.TensorSpec((32, 384, 8))
     _, base, _ = baseline_peak(model, xs, ys)
     _, longer_base, _ = baseline_peak(model, longer, ys)
-    budget = int(max(1.1 * base, 0.9 * longer_base))
+    budget = int(max(1.1 * base, 0.95 * longer_base))
     step = tf_remat.optimize(model, budget_bytes=budget, input_spec=xs, label_spec=ys, **FAST)
     x, y = (tf.constant(a) for a in data(longer, ys))
     g1, g2 = plain_and_step_gradients(model, longer, ys, step, x, y)
