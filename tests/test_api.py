@@ -1027,21 +1027,23 @@ def test_a_batch_of_other_dimensions_gets_a_plan_of_its_own():
         inp = keras.Input((None, 8))
         h = keras.layers.Conv1D(64, 3, padding="same", activation="relu")(inp)
         h = keras.layers.BatchNormalization()(h)
-        r = keras.layers.Conv1D(64, 3, padding="same")(h)
-        h = keras.layers.Add()([h, keras.layers.Dropout(0.1)(r)])
+        for _ in range(3):
+            r = keras.layers.Conv1D(64, 3, padding="same")(h)
+            h = keras.layers.Add()([h, keras.layers.Dropout(0.1)(r)])
         model = keras.Model(inp, keras.layers.Dense(10)(keras.layers.GlobalMaxPooling1D()(h)))
         model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                       optimizer="adam")
         return model, tf.TensorSpec((32, 256, 8)), tf.TensorSpec((32,), tf.int32)
 
     model, xs, ys = fresh(build)
-    # a budget a little over the spec's plain step and under the longer one's (1.5 times the
-    # activations; where the kernels hold little, as oneDNN's, 1.1 times the first step's
-    # peak is under what any plan for the longer one measures)
+    # a budget a little over the spec's plain step and well under the longer one's (1.5 times
+    # the activations). Three blocks, not one, leave a plan room under it: with one, the
+    # longer step's plain peak measured 16.2-18.6 MiB from run to run on the oneDNN machine
+    # and its lowest plan 15.5, so 0.95 of the plain peak was refused in one CI run
     longer = tf.TensorSpec((32, 384, 8))
     _, base, _ = baseline_peak(model, xs, ys)
     _, longer_base, _ = baseline_peak(model, longer, ys)
-    budget = int(max(1.1 * base, 0.95 * longer_base))
+    budget = int(max(1.1 * base, 0.85 * longer_base))
     step = tf_remat.optimize(model, budget_bytes=budget, input_spec=xs, label_spec=ys, **FAST)
     x, y = (tf.constant(a) for a in data(longer, ys))
     g1, g2 = plain_and_step_gradients(model, longer, ys, step, x, y)
