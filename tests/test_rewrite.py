@@ -18,7 +18,7 @@ import pytest
 tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
 
-from tf_remat.errors import PlanError  # noqa: E402
+from tf_remat.errors import PlanError, UnsupportedOpError  # noqa: E402
 from tf_remat.plan import Schedule, make_plan, simulate, steps_from_sequence  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -409,6 +409,103 @@ def test_a_read_of_a_variable_the_step_writes_again_is_read_once():
         assert abs(got - want) <= RTOL * abs(want), (chain, got, want)
         for v, a, b in zip(ex.traced.variables, w1, w2):
             assert close(a, b, max(1.0, float(np.abs(a).max()))), (chain, v.name)
+
+
+class CalledDense(keras.layers.Layer):
+    """A dense layer whose product runs in a ``tf.function`` of its own: the step calls that
+    function, which reads the kernel inside, not through a read of the step's. (The kernel is
+    made here, not in ``build``: one made inside a trace is initialized lazily, and the
+    function would be traced on its initial value.)"""
+
+    def __init__(self, fan_in, units):
+        super().__init__()
+        self.kernel = self.add_weight(shape=(fan_in, units), initializer="glorot_uniform")
+        self.product = tf.function(lambda x: tf.matmul(x, self.kernel.value))
+
+    def call(self, x):
+        return self.product(x)
+
+
+class CallsAfterUpdates(keras.Model):
+    """A step that reads its output again after the optimizer ran, where the output comes from
+    a function call that reads its layer's kernel inside (a recomputed call there would read
+    the updated kernel)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = keras.Sequential([keras.layers.Dense(256, activation="relu"),
+                                      keras.layers.Dense(256, activation="relu"),
+                                      CalledDense(256, 64)])
+
+    def call(self, x, training=False):
+        return self.body(x)
+
+    def train_step(self, x):
+        with tf.GradientTape() as tape:
+            out = self(x)
+            loss = tf.reduce_mean(tf.square(out))
+        variables = self.trainable_variables
+        self.optimizer.apply(tape.gradient(loss, variables), variables)
+        return {"loss": loss, "out": tf.reduce_mean(tf.abs(out))}
+
+
+def test_a_call_that_reads_a_variable_the_step_writes_runs_once():
+    """A function call whose function reads a variable the optimizer writes later in the step
+    must not run again: a copy after the update would read the new weights. Its node is not
+    recomputable, and a plan that runs every update as early as it can and recomputes every
+    recomputable input of every node right before it leaves the step as TensorFlow runs it.
+    (With the node made recomputable, that plan puts a copy after the update and the values
+    still agree here: Grappler inlines the call, and the read inside runs when its handle
+    is ready, at the start of the step. Nothing orders it so; the node flag is the check.)"""
+    from tf_remat.extract import _CALL_OPS, extract
+    from tf_remat.rewrite import rewrite
+
+    keras.utils.set_random_seed(4)
+    model = CallsAfterUpdates()
+    # called eagerly at the step's shape first: a functional model would trace the function
+    # for batch None, and the step's call would reuse that trace, whose output has no static
+    # shape
+    model(np.zeros((128, 256), "float32"))
+    model.compile(optimizer=keras.optimizers.SGD(0.5))
+    ex = extract(model, input_spec=tf.TensorSpec((128, 256)), label_spec=(),
+                 cost_model="flops", verbose=0, train_step=True)
+    g, fg = ex.graph, ex.traced.function.graph
+    calls = [v for v in range(g.n) for o in ex.op_map.nodes[v]
+             if fg.get_operation_by_name(o).type in _CALL_OPS and
+             any(t.dtype == tf.resource for t in fg.get_operation_by_name(o).inputs)]
+    assert calls and not any(g.recomputable[v] for v in calls)
+    plan = updates_first_plan(g, every_node=True)
+    assert any(list(plan.sequence).count(v) > 1 for v in range(g.n))
+    x = tf.constant(np.random.default_rng(0).random((128, 256), dtype=np.float32))
+    for chain in ("op", "node"):
+        step = rewrite(ex.traced, g, ex.op_map, plan, chain=chain)
+        snap = Snapshot(ex.traced.variables)
+        try:
+            want = [float(t) for t in tf.nest.flatten(ex.traced.function(x))]
+            w1 = snap.now()
+            snap.restore()
+            got = [float(t) for t in tf.nest.flatten(step(x, ()))]
+            w2 = snap.now()
+        finally:
+            snap.restore()
+        assert np.allclose(got, want, rtol=RTOL, atol=0), (chain, got, want)
+        for v, a, b in zip(ex.traced.variables, w1, w2):
+            assert close(a, b, max(1.0, float(np.abs(a).max()))), (chain, v.name)
+
+
+def test_a_call_traced_for_batch_none_is_refused_with_the_way_out():
+    """A functional model traces a layer's own ``tf.function`` for batch None when it is
+    built, and the step's call reuses that trace, whose output has no static shape: the
+    refusal says so and what to change."""
+    from tf_remat.extract import extract
+
+    inp = keras.Input((256,))
+    model = keras.Model(inp, CalledDense(256, 10)(keras.layers.Dense(256)(inp)))
+    model.compile(optimizer="sgd",
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    with pytest.raises(UnsupportedOpError, match=r"StatefulPartitionedCall.*python_function"):
+        extract(model, input_spec=tf.TensorSpec((128, 256)),
+                label_spec=tf.TensorSpec((128,), tf.int32), cost_model="flops", verbose=0)
 
 
 def test_stateful_ops_emitted_once_and_refused_twice():

@@ -126,6 +126,9 @@ _NOT_RANDOM = frozenset({"StatelessRandomGetKeyCounter", "StatelessRandomGetAlg"
                          "StatelessRandomGetKeyCounterAlg", "RandomDataset"})
 #: ops that read a variable's current value (a copy run after an update sees the new value)
 _VARIABLE_READS = frozenset({"ReadVariableOp", "ResourceGather", "ResourceGatherNd"})
+#: ops that run a function (their reads of a variable are inside it)
+_CALL_OPS = frozenset({"PartitionedCall", "StatefulPartitionedCall", "If", "StatelessIf",
+                       "Case", "StatelessCase"})
 #: stateful-registered ops that are safe to run again (they read, they do not write; a read
 #: of a variable the step writes after it is not: :meth:`_Analysis._stale_rereads`)
 _HARMLESS_STATEFUL = frozenset({
@@ -2171,8 +2174,7 @@ def recomputable_loop(op) -> bool:
                 if o.type != "ReadVariableOp":
                     return False
                 continue
-            if o.type in ("While", "StatelessWhile", "If", "StatelessIf", "Case",
-                          "StatelessCase", "PartitionedCall", "StatefulPartitionedCall") or \
+            if o.type in ("While", "StatelessWhile") or o.type in _CALL_OPS or \
                     _is_random(o.type) or _non_recomputable(o):
                 return False
     return True
@@ -2364,6 +2366,14 @@ class _Analysis:
                         hint = (" A tf.py_function's gradient has no static shape: write the "
                                 "layer with TensorFlow ops" if ops[j].type in
                                 ("EagerPyFunc", "PyFunc", "PyFuncStateless") else "")
+                        if ops[j].type in _CALL_OPS:
+                            # TensorFlow reuses a trace whose signature covers the call's
+                            # (batch None, made when a functional model was built)
+                            hint = (" It is the output of a tf.function called inside the "
+                                    "model, which reuses a trace made for other shapes (batch "
+                                    "None, when a functional model was built): call the plain "
+                                    "Python function there (fn.python_function); the step is "
+                                    "one tf.function already")
                         raise UnsupportedOpError(
                             f"tensor {t.name!r} (op {ops[j].type}) has shape {t.shape} with an "
                             "unknown dimension even with the batch size fixed; tf-remat needs "
@@ -2392,9 +2402,17 @@ class _Analysis:
                 if t.dtype.name == "resource":
                     h = handle(j, k)
                     last_write[h] = max(last_write.get(h, -1), j)
-        return {j for j, op in enumerate(self.ops)
-                if op.type in _VARIABLE_READS and self.inputs[j]
-                and last_write.get(handle(j, 0), -1) > j}
+        stale = {j for j, op in enumerate(self.ops)
+                 if op.type in _VARIABLE_READS and self.inputs[j]
+                 and last_write.get(handle(j, 0), -1) > j}
+        # a function call or condition that takes a handle of such a variable reads it inside
+        # (a call whose function reads a variable is registered stateful, so runs once anyway;
+        # this keeps that from resting on how TensorFlow registers calls)
+        stale.update(j for j, op in enumerate(self.ops)
+                     if op.type in _CALL_OPS and any(
+                         t.dtype.name == "resource" and last_write.get(handle(j, k), -1) > j
+                         for k, t in enumerate(op.inputs)))
+        return stale
 
     def _static_inputs(self, j):
         return all(t.shape.is_fully_defined() for t in self.ops[j].inputs)
@@ -2812,7 +2830,7 @@ class _Analysis:
         # read; a copy of a large one would hold the old value beside the new, which the
         # graph does not count, so its node runs once
         stale = self._stale_rereads()
-        pinned = {j for j in stale if node[j] and
+        pinned = {j for j in stale if node[j] and ops[j].type in _VARIABLE_READS and
                   max(self.out_bytes[j], default=0) < _MIN_SCHEDULED}
         recomputable = [not any(_non_recomputable(ops[j], self.phase[j] == 0) or
                                 (j in stale and j not in pinned) for j in node_ops[v])
