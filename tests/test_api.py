@@ -1911,3 +1911,37 @@ def test_a_list_of_inputs_trains_in_fit_with_a_shared_encoder():
     assert model.train_function == step._keras_train_function
     assert all(np.isfinite(hist.history["loss"]))
     step.detach()
+
+
+def test_a_model_built_under_keras_remat_scope_is_optimized_exactly():
+    """Layers built inside ``keras.RematScope("activations")`` wrap their activation in
+    ``tf.recompute_grad``, whose custom gradient recomputes it in the backward pass: the traced
+    step holds those copies already. A recomputing plan over that step gives Keras's gradients,
+    and ``fit`` trains on it."""
+    keras.utils.set_random_seed(5)
+    with keras.RematScope(mode="activations"):
+        inp = keras.Input((16, 16, 3))
+        h = keras.layers.Conv2D(16, 3, padding="same", activation="relu")(inp)
+        r = keras.layers.Conv2D(16, 3, padding="same", activation="gelu")(h)
+        h = keras.layers.Add()([h, keras.layers.BatchNormalization()(r)])
+        h = keras.layers.Dense(32, activation="swish")(keras.layers.GlobalAveragePooling2D()(h))
+        out = keras.layers.Dense(10)(keras.layers.Dropout(0.2)(h))
+    model = keras.Model(inp, out)
+    model.compile(optimizer="adam",
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    xs, ys = tf.TensorSpec((32, 16, 16, 3)), tf.TensorSpec((32,), tf.int32)
+    from tf_remat.extract import trace_training_step
+
+    ops = [op.type for op in trace_training_step(model, xs, ys).function.graph.get_operations()]
+    assert ops.count("Relu") == 2  # the forward's, and the custom gradient's recomputation
+    step = _recomputing_step(model, xs, ys)
+    x, y = data(xs, ys)
+    g1, g2 = plain_and_step_gradients(model, xs, ys, step, tf.constant(x), tf.constant(y))
+    scale = max(float(np.abs(a).max()) for a in g1)
+    assert len(g1) == len(g2) == len(model.trainable_variables)
+    assert max(float(np.abs(a - b).max()) for a, b in zip(g1, g2)) <= 1e-5 * scale
+    xt, yt = data(xs, ys, n=64, seed=1)
+    hist = model.fit(xt, yt, batch_size=32, epochs=1, verbose=0)
+    assert model.train_function == step._keras_train_function
+    assert np.isfinite(hist.history["loss"]).all()
+    step.detach()
