@@ -56,6 +56,16 @@ def _keeps_order(graph, seq):
     return tuple(first) == tuple(graph.order)
 
 
+def reserve_seconds(limit: float) -> float:
+    """What ``auto`` keeps back of ``limit`` seconds for building and checking the plan."""
+    return min(1.0, 0.05 * limit)
+
+
+def moccasin_need_seconds(n: int, *, small: bool, large: bool) -> float:
+    """The seconds left that ``auto`` requires before it starts MOCCASIN on ``n`` nodes."""
+    return 1.0 if small else 5.0 + 0.005 * n if large else 5.0
+
+
 @register("auto", "anytime portfolio: baseline, FastSA, then exact solvers warm-started from the "
                   "best plan (proven optima on small graphs)", options=_OPTIONS)
 def auto(graph: Graph, budget: int, *, time_limit=None, seed: int = 0, progress=None,
@@ -70,7 +80,7 @@ def auto(graph: Graph, budget: int, *, time_limit=None, seed: int = 0, progress=
 
         compile_kernel()  # FastSA will run: its one-time compilation is not the portfolio's time
     limit = DEFAULT_TIME if time_limit is None else float(time_limit)
-    deadline = Deadline(limit, reserve=min(1.0, 0.05 * limit))
+    deadline = Deadline(limit, reserve=reserve_seconds(limit))
     start = time.perf_counter()
     fixed = order == "fixed"
     n = graph.n
@@ -170,7 +180,7 @@ def auto(graph: Graph, budget: int, *, time_limit=None, seed: int = 0, progress=
     # (its first plans take seconds per thousand nodes before CP-SAT starts: 6-8 s each on a
     # 2169-node graph, so a larger graph needs more time left)
     fits = best is not None and best["peak"] <= budget
-    need = 1.0 if small else 5.0 if n <= moccasin_nodes else 5.0 + 0.005 * n
+    need = moccasin_need_seconds(n, small=small, large=n > moccasin_nodes)
     if not fixed_optimal and (n <= moccasin_nodes or not fits) and deadline.left() > need:
         if fits:
             same = _keeps_order(graph, best["seq"])
