@@ -958,3 +958,43 @@ def test_measuring_beside_a_ballast_reports_each_layout():
     # scratch (without oneDNN a 27 MiB im2col buffer, half of this step: one history gave +62%)
     assert max(m["layouts"]) <= 1.5 * ex.graph.no_remat_peak + ex.info["workspace_bytes"]
     assert all(np.array_equal(a, b) for a, b in zip(snap.values, snap.now()))
+
+
+def test_grappler_does_not_move_a_backward_product_into_the_forward_pass():
+    """GELU's derivative multiplies the output gradient by a forward value and then by a
+    constant. Grappler's constant folding (and its arithmetic optimizer) rewrote
+    ``(g * m) * c`` into ``g * (c * m)`` whenever the inner product had one reader (with the
+    dependency optimizer on, also once the chain's ``/_done`` identity on it became a control
+    edge), and ``c * m``, reading forward values only, ran in the forward pass and was held
+    until the backward one: a GELU MLP's recomputing plans measured 6-29% over their
+    simulation. The inner product now has a second reader, and the dependency optimizer is
+    off for the step."""
+    from tf_remat import solve
+    from tf_remat.api import step_allocations
+    from tf_remat.extract import extract
+    from tf_remat.rewrite import rewrite
+
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((64,))
+    h = keras.layers.Dense(128)(inp)
+    for _ in range(4):
+        r = keras.layers.LayerNormalization()(h)
+        r = keras.layers.Dense(512, activation="gelu")(r)
+        h = keras.layers.Add()([h, keras.layers.Dense(128)(r)])
+    model = keras.Model(inp, keras.layers.Dense(10)(h))
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  optimizer="adam")
+    batch = 1024
+    ex = extract(model, input_spec=tf.TensorSpec((batch, 64)),
+                 label_spec=tf.TensorSpec((batch,), tf.int32), cost_model="flops", verbose=0)
+    g = ex.graph
+    plan = solve(g, g.fixed_memory + (g.no_remat_peak - g.fixed_memory) // 2, "fastsa",
+                 time_limit=10, seed=0)
+    assert len(plan.sequence) > g.n  # it recomputes
+    step = rewrite(ex.traced, g, ex.op_map, plan)
+    x = tf.random.stateless_normal((batch, 64), seed=(1, 2))
+    y = tf.zeros((batch,), tf.int32)
+    got = step_allocations(step.function, x, y, variables=ex.traced.variables)
+    measured = got["requested_peak_bytes"] + got["owned_bytes"] + (x.shape[0] * 64 + batch) * 4
+    # each pushed-down product is a 2 MiB (1024 x 512) buffer, 6-9% of this plan's peak
+    assert measured <= 1.03 * plan.peak_memory, (measured, plan.peak_memory)
