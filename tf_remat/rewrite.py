@@ -492,6 +492,8 @@ class _Ordered:
             ctx.function_call_options = current
 
     def __getattr__(self, name):
+        if name in ("_function", "_options"):  # not set yet (a copy being made)
+            raise AttributeError(name)
         return getattr(self._function, name)
 
 
