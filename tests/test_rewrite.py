@@ -960,7 +960,8 @@ def test_measuring_beside_a_ballast_reports_each_layout():
     assert all(np.array_equal(a, b) for a, b in zip(snap.values, snap.now()))
 
 
-def test_grappler_does_not_move_a_backward_product_into_the_forward_pass():
+@pytest.mark.parametrize("outer", [False, True], ids=["eager", "in_tf_function"])
+def test_grappler_does_not_move_a_backward_product_into_the_forward_pass(outer):
     """GELU's derivative multiplies the output gradient by a forward value and then by a
     constant. Grappler's constant folding (and its arithmetic optimizer) rewrote
     ``(g * m) * c`` into ``g * (c * m)`` whenever the inner product had one reader (with the
@@ -968,7 +969,7 @@ def test_grappler_does_not_move_a_backward_product_into_the_forward_pass():
     edge), and ``c * m``, reading forward values only, ran in the forward pass and was held
     until the backward one: a GELU MLP's recomputing plans measured 6-29% over their
     simulation. The inner product now has a second reader, and the dependency optimizer is
-    off for the step."""
+    off for the step, also when a user's ``tf.function`` calls it (it is not inlined there)."""
     from tf_remat import solve
     from tf_remat.api import step_allocations
     from tf_remat.extract import extract
@@ -994,7 +995,8 @@ def test_grappler_does_not_move_a_backward_product_into_the_forward_pass():
     step = rewrite(ex.traced, g, ex.op_map, plan)
     x = tf.random.stateless_normal((batch, 64), seed=(1, 2))
     y = tf.zeros((batch,), tf.int32)
-    got = step_allocations(step.function, x, y, variables=ex.traced.variables)
+    fn = tf.function(lambda a, b: step.function(a, b)) if outer else step.function
+    got = step_allocations(fn, x, y, variables=ex.traced.variables)
     measured = got["requested_peak_bytes"] + got["owned_bytes"] + (x.shape[0] * 64 + batch) * 4
     # each pushed-down product is a 2 MiB (1024 x 512) buffer, 6-9% of this plan's peak
     assert measured <= 1.03 * plan.peak_memory, (measured, plan.peak_memory)
