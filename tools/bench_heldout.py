@@ -1059,6 +1059,65 @@ def mha(batch=32, steps=64, vocab=1000, dim=64):
     return model, tf.TensorSpec((batch, steps), tf.int32), tf.TensorSpec((batch,), tf.int32)
 
 
+def convnext(batch=16, hw=64):
+    """ConvNeXt-style blocks: a patchifying stem with BatchNorm, depthwise 7x7 convolutions,
+    LayerNorm, a GELU MLP, a layer scale (a custom layer's weight) and stochastic depth as
+    Dropout with a per-sample ``noise_shape``; AdamW."""
+    import keras
+    import tensorflow as tf
+
+    L = keras.layers
+
+    class LayerScale(L.Layer):
+        def build(self, shape):
+            self.gamma = self.add_weight(shape=(shape[-1],),
+                                         initializer=keras.initializers.Constant(0.1))
+
+        def call(self, x):
+            return x * self.gamma
+
+    inp = keras.Input((hw, hw, 3))
+    h = L.BatchNormalization()(L.Conv2D(48, 4, strides=4)(inp))
+    for stage, width in enumerate((48, 96, 192)):
+        if stage:
+            h = L.Conv2D(width, 2, strides=2)(L.LayerNormalization()(h))
+        for _ in range(2):
+            r = L.LayerNormalization(epsilon=1e-6)(L.DepthwiseConv2D(7, padding="same")(h))
+            r = L.Dense(width)(L.Dense(4 * width, activation="gelu")(r))
+            r = L.Dropout(0.1, noise_shape=(None, 1, 1, 1))(LayerScale()(r))
+            h = L.Add()([h, r])
+    h = L.Dropout(0.2)(L.GlobalAveragePooling2D()(h))
+    model = keras.Model(inp, L.Dense(10)(h))
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  optimizer=keras.optimizers.AdamW(1e-3), metrics=["accuracy"])
+    return model, tf.TensorSpec((batch, hw, hw, 3)), tf.TensorSpec((batch,), tf.int32)
+
+
+def attention(batch=32, hw=32):
+    """A CNN with BatchNorm whose strided features attend over themselves
+    (``keras.layers.Attention``, scaled, with dropout), upsampled and concatenated with the
+    full-resolution ones, padded and cropped, swish, SpatialDropout2D, a softmax head; Nadam."""
+    import keras
+    import tensorflow as tf
+
+    L = keras.layers
+    inp = keras.Input((hw, hw, 3))
+    s = L.ReLU()(L.BatchNormalization()(L.Conv2D(32, 3, padding="same", use_bias=False)(inp)))
+    h = L.Activation("relu")(L.BatchNormalization()(
+        L.Conv2D(64, 3, strides=2, padding="same")(s)))
+    t = L.Reshape(((hw // 2) ** 2, 64))(h)
+    a = L.Attention(use_scale=True, dropout=0.1)([L.Dense(64)(t), t])
+    t = L.LayerNormalization()(L.Add()([t, a]))
+    h = L.UpSampling2D()(L.Reshape((hw // 2, hw // 2, 64))(t))
+    h = L.Cropping2D(1)(L.ZeroPadding2D(1)(L.Concatenate()([h, s])))
+    h = L.Activation("swish")(L.BatchNormalization()(L.Conv2D(64, 3, padding="same")(h)))
+    h = L.Dropout(0.3)(L.GlobalMaxPooling2D()(L.SpatialDropout2D(0.1)(h)))
+    model = keras.Model(inp, L.Dense(10, activation="softmax")(h))
+    model.compile(loss="sparse_categorical_crossentropy", optimizer="nadam",
+                  metrics=["accuracy"])
+    return model, tf.TensorSpec((batch, hw, hw, 3)), tf.TensorSpec((batch,), tf.int32)
+
+
 def seqcnn(batch=32, hw=32):
     """A ``keras.Sequential`` CNN (no skips): Conv2D-BatchNorm-ReLU, MaxPooling, Dropout,
     Flatten, a softmax head under ``"sparse_categorical_crossentropy"`` and ``"adam"``."""
@@ -1118,7 +1177,7 @@ MODELS = {"resdrop": resdrop, "unet_bn": unet_bn, "densenet": densenet,
           "timedist": timedist, "deep_rnn": deep_rnn, "rdrop": rdrop,
           "masked": masked, "convlstm": convlstm, "specnorm": specnorm,
           "onehot": onehot, "segment": segment, "binary": binary, "mha": mha,
-          "seqcnn": seqcnn,
+          "seqcnn": seqcnn, "convnext": convnext, "attention": attention,
           **VARIANTS, **APPLICATIONS}
 
 
