@@ -257,13 +257,19 @@ print(json.dumps(res))
 @pytest.mark.slow
 def test_conv3d_gradients_are_products_only_where_tensorflows_kernels_take_more():
     """Without oneDNN, TensorFlow's Conv3D backprop kernels took hundreds of MiB of scratch for
-    a 3x3x3 layer of 8x6x32x32x32 and a few MiB for 8x6x32x32x16: measured per layer, only
-    the last layer's gradients become products, and the smallest budget any plan can reach
-    drops by about that scratch."""
+    a 3x3x3 layer of 8x6x32x32x32 and a few MiB for 8x6x32x32x16 on an Intel Xeon: measured
+    per layer, only the last layer's gradients become products, and the smallest budget any
+    plan can reach drops by about that scratch. On an AMD EPYC (2026-12-04) the same kernels
+    took no scratch at all; there every layer must keep them."""
     pytest.importorskip("tensorflow")
     out = _child(_CONV3D_SCRATCH)  # TF_ENABLE_ONEDNN_OPTS=0
     tf_, mm = out["tensorflow"], out["matmul"]
     assert (tf_["filter"], tf_["input"]) == (3, 2), out
+    if tf_["scratch"] == 0:
+        # nothing to save: a product in place of a kernel would only cost memory and time
+        assert (mm["filter"], mm["input"]) == (3, 2) and mm["scratch"] == 0, out
+        assert mm["lower"] == tf_["lower"], out
+        return
     assert (mm["filter"], mm["input"]) == (2, 1), out  # the first two layers keep the kernels
     assert tf_["scratch"] >= 100 * MiB and mm["scratch"] < 32 * MiB, out
     assert mm["lower"] <= tf_["lower"] - 100 * MiB, out
