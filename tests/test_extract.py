@@ -1159,5 +1159,5 @@ def test_a_decoupled_weight_decay_runs_with_its_gradient_update():
     x = _random_like(ex.traced.input_spec, seed=1)
     y = _random_like(ex.traced.label_spec, seed=2, labels=10)
     requested = requested_peak(step, x, y, ex.traced.variables)
-    # before: each 4 MiB kernel but the first copied on write, 20 MiB over the simulation
+    # before: 96.1 MB requested against 89.0 simulated (1.08), the kernels' copies on write
     assert requested <= 1.03 * g.no_remat_peak, (requested, g.no_remat_peak)
