@@ -907,6 +907,69 @@ def test_profiled_step_time_is_plausible(monkeypatch, tmp_path):
     assert 0.5 < ratios[-1] < 2.0, ratios
 
 
+def test_step_costs_come_from_the_step_and_leave_the_model_as_it_was(monkeypatch, tmp_path):
+    # BatchNorm statistics, Dropout's seed, Adam's slots and iteration count: the traced runs
+    # of the step change all of them, and the costs must not cost the user a training step
+    monkeypatch.setenv("TF_REMAT_CACHE", str(tmp_path / "cache"))
+    from tf_remat.extract import extract
+
+    model, shape = small_cnn()
+    kw = dict(input_spec=tf.TensorSpec(shape),
+              label_spec=tf.TensorSpec((shape[0],), tf.int32), verbose=0)
+    alone = extract(model, cost_model="profile", **kw)
+    before = {id(v): v.numpy().copy() for v in alone.traced.variables}
+    ex = extract(model, cost_model="step", **kw)
+    info = ex.info
+    assert info["step_costs"] == "traced", info["step_costs"]
+    assert {id(v) for v in ex.traced.variables} == set(before)
+    for v in ex.traced.variables:
+        np.testing.assert_array_equal(v.numpy(), before[id(v)], err_msg=v.name)
+    # nearly every kernel the step ran is found in a node (Grappler's renames included)
+    assert info["step_unmatched_seconds"] <= 0.05 * info["step_kernel_seconds"], info
+    with_ops = [i for i, ops in enumerate(ex.op_map.nodes) if ops]
+    assert info["step_untraced_nodes"] <= 0.1 * len(with_ops), info
+    assert all(ex.graph.cost[i] > 0 for i in with_ops)
+    assert all(ex.graph.cost[i] == 0 for i, ops in enumerate(ex.op_map.nodes) if not ops)
+    # the costs add up to the step's time, between kernels included
+    assert ex.graph.total_cost == pytest.approx(
+        max(info["step_wall_seconds"], info["step_kernel_seconds"]
+            - info["step_unmatched_seconds"]), rel=0.05)
+    assert ex.graph.cost != alone.graph.cost
+    assert ex.graph.memory == alone.graph.memory and ex.graph.edges == alone.graph.edges
+
+
+def test_step_costs_fall_back_to_isolated_costs_when_the_step_cannot_be_traced(
+        monkeypatch, tmp_path):
+    monkeypatch.setenv("TF_REMAT_CACHE", str(tmp_path / "cache"))
+    from tf_remat.extract import extract
+
+    model, shape = res_block()
+    kw = dict(input_spec=tf.TensorSpec(shape),
+              label_spec=tf.TensorSpec((shape[0],), tf.int32), verbose=0)
+    alone = extract(model, cost_model="profile", **kw)
+    # one profiler session at a time: the user's own trace is running
+    tf.profiler.experimental.start(str(tmp_path / "user_trace"))
+    try:
+        ex = extract(model, cost_model="step", **kw)
+    finally:
+        tf.profiler.experimental.stop()
+    assert ex.info["step_costs"].startswith("not traced"), ex.info["step_costs"]
+    assert ex.graph.cost == alone.graph.cost  # the cached isolated costs, unchanged
+
+
+def test_traced_kernel_names_map_back_to_the_ops_of_the_step():
+    from tf_remat.profile import traced_op
+
+    known = {"enc/MatMul_1", "enc/add_2", "enc/conv", "dec/Relu"}
+    assert traced_op("dec/Relu", known) == "dec/Relu"
+    assert traced_op("enc/ArithmeticOptimizer/FoldTransposeIntoMatMul_MatMul_1",
+                     known) == "enc/MatMul_1"
+    assert traced_op("enc/ArithmeticOptimizer/AddOpsRewrite_Leaf_1_add_2", known) == "enc/add_2"
+    assert traced_op("enc/conv/_MklInputConversion", known) == "enc/conv"
+    assert traced_op("enc/ArithmeticOptimizer/AddOpsRewrite_add_9", known) is None
+    assert traced_op("other/Relu", known) is None
+
+
 # --------------------------------------------------------------------- API, zoo, CLI
 def test_public_extract_graph():
     import tf_remat

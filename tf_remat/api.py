@@ -109,7 +109,7 @@ def verification_layouts(largest: int) -> list:
 
 def optimize(model, budget_gb: float | None = None, *, budget_bytes: int | None = None,
              input_spec, label_spec, loss=None, optimizer=None, strategy="auto",
-             time_limit: float | None = 60.0, verbose: int = 1, cost_model: str = "profile",
+             time_limit: float | None = 60.0, verbose: int = 1, cost_model: str = "step",
              verify: bool = True, attach: bool = True, chain: str = "node",
              plan=None, time_order: bool = True,
              sample_weight_spec=None, train_step: bool | None = None,
@@ -134,7 +134,10 @@ def optimize(model, budget_gb: float | None = None, *, budget_bytes: int | None 
             each re-solve gets the whole limit; after, each gets a quarter of it, and these stop
             once they have spent one more ``time_limit`` in all. None: no limit.
         verbose: 0 silent; 1 progress and a summary line.
-        cost_model: ``"profile"`` (measure each op here, cached) or ``"flops"``.
+        cost_model: ``"step"`` (each node's kernel time in a profiler trace of the step run
+            in a static order, on a CPU; on a GPU, or where the step cannot run, ``"profile"``'s
+            costs), ``"profile"`` (each node's ops measured alone here, cached) or
+            ``"flops"`` (an estimate; no measurement). See :func:`tf_remat.extract.extract`.
         verify: run the rewritten step (variables saved and restored) in four allocator
             layouts and re-solve with a lower budget while the worst measured peak is over the
             budget less a margin (:func:`verification_margin`).
@@ -284,7 +287,9 @@ class OptimizedStep:
             ``margin_met`` (whether it is within the budget less the verification margin;
             False: kept as the best within the budget, with a warning); also
             ``nodes, recomputed_nodes, attempts, total_solve_seconds`` (all attempts' solves,
-            their processes included), ``extract_seconds, rewrite_seconds``. ``predicted_overhead`` is the recomputation's
+            their processes included), ``extract_seconds, rewrite_seconds``; ``cost_model``
+            and, for ``"step"``, ``step_costs`` (``"traced"``, or why each node's isolated
+            cost stood in). ``predicted_overhead`` is the recomputation's
             share of the step (plan cost / sum of node costs - 1); running the plan in a static
             order costs more besides, since independent ops no longer run side by side (-16% to
             +34% on the zoo models on a 2-core CPU, ``benchmarks/results/rewrite.md``).
@@ -380,7 +385,10 @@ class OptimizedStep:
                "budget_bytes": self.budget_bytes, "predicted_peak_bytes": plan.peak_memory,
                "baseline_peak_bytes": graph.no_remat_peak,
                "predicted_overhead": plan.overhead, "solve_seconds": plan.solve_seconds,
-               "recompute_overhead": plan.overhead}
+               "recompute_overhead": plan.overhead,
+               "cost_model": b.extraction.info.get("cost_model")}
+        if "step_costs" in b.extraction.info:  # "traced", or why the isolated costs stood in
+            rep["step_costs"] = b.extraction.info["step_costs"]
         if b.order is not None and plan.overhead is not None:
             s = b.order["static_order_overhead"]
             rep["static_order_overhead"] = s
@@ -1097,19 +1105,6 @@ def measure_step_peak(step, x, y, *, variables=(), runs: int = 1, warmup: int = 
             "seconds": float(np.median(times)), "layouts": layouts}
 
 
-def static_order_step(extraction, chain: str = "node"):
-    """The extracted graph rewritten with nothing recomputed, in topological order, chained as
-    ``chain``: what running the step in any static order costs by itself."""
-    from tf_remat.plan import make_plan
-    from tf_remat.rewrite import rewrite
-    from tf_remat.solvers.baselines import checkpoint_all
-
-    graph = extraction.graph
-    budget = 2**62  # checkpoint-all needs none; the plan only orders
-    plan = make_plan(graph, checkpoint_all(graph, budget), budget, strategy="checkpoint-all")
-    return rewrite(extraction.traced, graph, extraction.op_map, plan, chain=chain)
-
-
 def _time_static_order(ex, chain, ispec, lspec) -> dict:
     """Median, over paired rounds, of the static-order step's time over the plain step's; the
     variables are restored after every step. The pairs alternate which step runs first, so a
@@ -1117,6 +1112,8 @@ def _time_static_order(ex, chain, ispec, lspec) -> dict:
     import numpy as np
 
     from tf_remat.extract import snapshot_variables
+
+    from tf_remat.rewrite import static_order_step
 
     static = static_order_step(ex, chain)
     plain = ex.traced.function
@@ -1483,13 +1480,6 @@ def _block(out):
 
 
 def _synthetic_batch(input_spec, label_spec):
-    """Inputs shaped like the specs: normal floats, zero integers (valid labels and token ids
-    for any class count). Memory does not depend on the values."""
-    import tensorflow as tf
+    from tf_remat.profile import synthetic_batch
 
-    def make(spec):
-        if spec.dtype.is_floating:
-            return tf.random.stateless_normal(spec.shape, seed=(1, 2), dtype=spec.dtype)
-        return tf.zeros(spec.shape, spec.dtype)
-
-    return tf.nest.map_structure(make, input_spec), tf.nest.map_structure(make, label_spec)
+    return synthetic_batch(input_spec, label_spec)

@@ -329,7 +329,8 @@ def _build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model", help="a zoo model name, extracted first")
     s.add_argument("--batch", type=positive(int), default=8, help="batch size for --model")
     s.add_argument("--input", default=None, help="input size HxW for --model")
-    s.add_argument("--cost-model", default="profile", choices=("profile", "flops"))
+    s.add_argument("--cost-model", default="step", choices=("step", "profile", "flops"),
+                   help="for --model, as in extract")
     s.add_argument("--budgets", default="0.4:1.0:0.05",
                    help="START:STOP:STEP or a comma list of fractions of the no-remat peak")
     s.add_argument("--strategies", nargs="+", help="default: every strategy but auto")
@@ -351,7 +352,7 @@ def _build_parser() -> argparse.ArgumentParser:
     s.add_argument("--time-limit", type=positive(float), default=30.0, help="seconds per solve")
     s.add_argument("--start", type=positive(int), default=8, help="first batch size tried")
     s.add_argument("--max", type=positive(int), default=4096, help="largest batch size tried")
-    s.add_argument("--cost-model", default="flops", choices=("flops", "profile"),
+    s.add_argument("--cost-model", default="flops", choices=("flops", "profile", "step"),
                    help="op costs for the solver (flops: no profiling at every size)")
     s.add_argument("--confirm", type=int, default=2,
                    help="more solves the rematerialized size must pass before it is "
@@ -374,8 +375,10 @@ def _build_parser() -> argparse.ArgumentParser:
     s.add_argument("--input", default=None, help="input size HxW (sequence length for "
                                                  "transformer); default: the model's")
     s.add_argument("--classes", type=positive(int), default=None, help="output classes")
-    s.add_argument("--cost-model", default="profile", choices=("profile", "flops"),
-                   help="profile: measure each node here (cached); flops: estimate")
+    s.add_argument("--cost-model", default="step", choices=("step", "profile", "flops"),
+                   help="step: each node's kernel time in a trace of the step (CPU; on a GPU "
+                        "as profile); profile: each node measured alone here (cached); "
+                        "flops: an estimate")
     s.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
     s.add_argument("-o", "--output", help="graph JSON to write (default <model>_b<batch>.json);"
                                           " the op map goes beside it as .ops.json")

@@ -34,6 +34,7 @@ import dataclasses
 import json
 import os
 import re
+import sys
 from typing import Any
 
 from tf_remat.errors import RematError, UnsupportedOpError, warn
@@ -653,10 +654,13 @@ def extract(model, *, input_spec, label_spec, loss=None, optimizer=None,
             (the default) traces the model's own ``train_step`` when its class overrides
             Keras's and a full step is traced (as ``tf_remat.optimize`` does), and
             ``label_spec=None`` stands for no labels there.
-        cost_model: ``"profile"`` (each node's ops measured on the current device, GPU if
-            TensorFlow sees one, cached on disk; see :mod:`tf_remat.profile`) or ``"flops"`` (an
-            estimate from FLOPs and bytes moved, no measurement; coarse, for machines where
-            profiling is not wanted).
+        cost_model: ``"profile"`` (each node's ops measured alone on the current device, GPU
+            if TensorFlow sees one, cached on disk; see :mod:`tf_remat.profile`), ``"step"``
+            (on a CPU, those costs replaced by each node's kernel time in a profiler trace of
+            the step run in a static order, :func:`tf_remat.profile.step_costs`; the isolated
+            ones where the step cannot run or on a GPU) or ``"flops"`` (an estimate from FLOPs
+            and bytes moved, no measurement; coarse, for machines where profiling is not
+            wanted).
         batch_size: if given, replaces the first dimension of both specs.
         verbose: 0 silent, 1 a progress bar while profiling.
         name: the graph's name (default: the model's name and batch size).
@@ -677,8 +681,9 @@ def extract(model, *, input_spec, label_spec, loss=None, optimizer=None,
     if batch_size is not None:
         input_spec = _with_batch(input_spec, batch_size)
         label_spec = _with_batch(label_spec, batch_size)
-    if cost_model not in ("profile", "flops"):
-        raise ValueError(f"cost_model must be 'profile' or 'flops', got {cost_model!r}")
+    if cost_model not in ("step", "profile", "flops"):
+        raise ValueError(f"cost_model must be 'step', 'profile' or 'flops', got "
+                         f"{cost_model!r}")
     t0 = time.perf_counter()
     traced = trace_training_step(model, input_spec, label_spec, loss=loss, optimizer=optimizer,
                                  apply_updates=apply_updates,
@@ -690,7 +695,7 @@ def extract(model, *, input_spec, label_spec, loss=None, optimizer=None,
     t2 = time.perf_counter()
     from tf_remat import profile as _profile
 
-    if cost_model == "profile":
+    if cost_model in ("step", "profile"):
         costs, pinfo = _profile.profile_nodes(traced, op_map, verbose=verbose)
     else:
         costs, pinfo = _profile.flops_costs(traced, op_map)
@@ -714,7 +719,16 @@ def extract(model, *, input_spec, label_spec, loss=None, optimizer=None,
             "intermediate_bytes": max(inter, default=0), "workspace_seconds": t4 - t3,
             "cost_model": cost_model, "loops": forward_loops(traced, op_map),
             "loop_bytes": loop_memory(traced, op_map), **pinfo}
-    return Extraction(graph=graph, op_map=op_map, traced=traced, info=info)
+    ex = Extraction(graph=graph, op_map=op_map, traced=traced, info=info)
+    if cost_model == "step":
+        step_costs, sinfo = _profile.step_costs(ex)
+        info.update(sinfo)
+        if step_costs is not None:
+            ex.graph = graph.replace(cost=tuple(step_costs))
+        elif verbose:
+            print(f"tf-remat: node costs measured alone, not in the step: {sinfo['step_costs']}",
+                  file=sys.stderr)
+    return ex
 
 
 def _forward_whiles(traced: TracedStep, op_map: OpMap) -> list:
@@ -763,7 +777,7 @@ def loop_memory(traced: TracedStep, op_map: OpMap) -> dict:
 
 
 def extract_graph(model, *, input_spec, label_spec, loss=None, optimizer=None,
-                  cost_model: str = "profile", verbose: int = 1) -> Graph:
+                  cost_model: str = "step", verbose: int = 1) -> Graph:
     """The solver :class:`Graph` of one training step of ``model`` (see :func:`extract`).
 
     Costs are in seconds, memory in bytes; ``graph.save(path)`` writes the native JSON.

@@ -67,7 +67,7 @@ from tf_remat.extract import (CHAIN_SUM, _VARIABLE_UPDATE_RE, _loop_function,
                               loop_resource_passthrough)
 from tf_remat.plan import Plan, concurrent_groups, simulate
 
-__all__ = ["RewrittenStep", "rewrite", "build_graph_def", "copy_name"]
+__all__ = ["RewrittenStep", "rewrite", "static_order_step", "build_graph_def", "copy_name"]
 
 #: suffix of the k-th recomputed copy of an op
 _COPY = "/_remat"
@@ -112,6 +112,18 @@ class RewrittenStep:
         if isinstance(out, (list, tuple)) and len(out) == 1:
             return out[0]
         return out
+
+
+def static_order_step(extraction, chain: str = "node") -> "RewrittenStep":
+    """The extracted graph rewritten with nothing recomputed, in topological order, chained as
+    ``chain``: what running the step in any static order costs by itself."""
+    from tf_remat.plan import make_plan
+    from tf_remat.solvers.baselines import checkpoint_all
+
+    graph = extraction.graph
+    budget = 2**62  # checkpoint-all needs none; the plan only orders
+    plan = make_plan(graph, checkpoint_all(graph, budget), budget, strategy="checkpoint-all")
+    return rewrite(extraction.traced, graph, extraction.op_map, plan, chain=chain)
 
 
 def rewrite(traced, graph, op_map, plan: Plan, *, chain: str = "op") -> RewrittenStep:

@@ -55,9 +55,10 @@ def run_case(name, batch, size, fractions, strategy, time_limit, runs, trace=Tru
     import numpy as np
 
     import tf_remat
-    from tf_remat.api import measure_step_peak, static_order_step, step_allocations
+    from tf_remat.api import measure_step_peak, step_allocations
     from tf_remat.errors import InfeasibleBudgetError, RematError
     from tf_remat.extract import trace_training_step
+    from tf_remat.rewrite import static_order_step
     from tf_remat.zoo import get_model
 
     model, xs, ys = get_model(name, batch, size)
@@ -197,48 +198,16 @@ def _batch(xs, ys, model):
 
 
 def _kernel_seconds(fn, x, y, state, reps=3):
-    """Seconds per step each op's kernels ran, from a ``tf.profiler`` trace of ``fn``.
+    """Seconds per step each op's kernels ran, from a ``tf.profiler`` trace of ``fn``
+    (:func:`tf_remat.profile.op_seconds`); the variables are restored after every step."""
+    from tf_remat.extract import block
+    from tf_remat.profile import op_seconds
 
-    Host-side events named ``op:OpType`` (the CPU kernels; on a GPU they time the launches,
-    not the kernels)."""
-    import glob
-    import shutil
-    import tempfile
-
-    import tensorflow as tf
-    from tensorflow.tsl.profiler.protobuf import xplane_pb2
-
-    for _ in range(2):
-        fn(x, y)
+    def once():
+        block(fn(x, y))
         state.restore()
-    logdir = tempfile.mkdtemp(prefix="tf_remat_trace_")
-    try:
-        tf.profiler.experimental.start(logdir)
-        try:
-            for _ in range(reps):
-                for o in tf.nest.flatten(fn(x, y)):
-                    o.numpy()
-                state.restore()
-        finally:
-            tf.profiler.experimental.stop()
-        space = xplane_pb2.XSpace()
-        with open(glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)[0],
-                  "rb") as f:
-            space.ParseFromString(f.read())
-    finally:
-        shutil.rmtree(logdir, ignore_errors=True)
-    ops = {}
-    for plane in space.planes:
-        meta = {k: v.name for k, v in plane.event_metadata.items()}
-        for line in plane.lines:
-            for e in line.events:
-                name, _, kind = meta.get(e.metadata_id, "").partition(":")
-                if not kind or not name or name.startswith("__inference"):
-                    continue
-                # the rewritten steps run inside a function named "remat"
-                name = name[len("remat/"):] if name.startswith("remat/") else name
-                ops[name] = ops.get(name, 0.0) + e.duration_ps * 1e-12 / reps
-    return ops
+
+    return op_seconds(once, reps=reps)[0]
 
 
 def _copy_kernel_share(floor, step, x, y, state):
