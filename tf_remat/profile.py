@@ -225,9 +225,11 @@ def step_costs(extraction, *, reps: int = 5, warmup: int = 2):
 
 def op_seconds(run, *, reps: int = 5, warmup: int = 2):
     """Seconds per call of ``run()`` that each op's kernels ran, from a ``tf.profiler`` trace
-    of ``reps`` calls; and the median seconds of up to three untraced calls before them (the
-    profiler slows the traced ones), which follow ``warmup - 1`` (at least one) calls not
-    timed. A call over a second is timed once and traced twice.
+    of ``reps`` calls (the median over the calls for an op that runs once in each); and the
+    seconds per call: the median of the traced calls where each runs one function (the
+    profiler's ``KernelAndDeviceFunc::Run``), else the least of up to three untraced calls
+    before them. Those follow ``warmup - 1`` (at least one) calls not timed; a call over a
+    second is timed once and traced twice.
 
     The host events named ``op_name:OpType`` are the CPU kernels (on a GPU they time the
     launches). Op names inside a rewritten step (the function ``remat``) lose that prefix.
@@ -265,20 +267,28 @@ def op_seconds(run, *, reps: int = 5, warmup: int = 2):
             space.ParseFromString(f.read())
     finally:
         shutil.rmtree(logdir, ignore_errors=True)
-    ops = {}
+    runs, calls = {}, []
     for plane in space.planes:
         meta = {k: v.name for k, v in plane.event_metadata.items()}
         for line in plane.lines:
             for e in line.events:
-                name, sep, kind = meta.get(e.metadata_id, "").partition(":")
+                full = meta.get(e.metadata_id, "")
+                if full == "KernelAndDeviceFunc::Run":  # one traced call of a function
+                    calls.append(e.duration_ps * 1e-12)
+                name, sep, kind = full.partition(":")
                 # "EagerLocalExecute: __inference_...", "ExecutorState::Process" and the like
                 # are calls and the executor, not kernels
                 if not sep or not name or not kind.isidentifier() or \
                         name.startswith("__inference"):
                     continue
                 name = name[len("remat/"):] if name.startswith("remat/") else name
-                ops[name] = ops.get(name, 0.0) + e.duration_ps * 1e-12 / reps
-    return ops, statistics.median(times)
+                runs.setdefault(name, []).append(e.duration_ps * 1e-12)
+    # an op run once per call: the median of its runs, so that a burst of load on this
+    # machine during one call does not price it; others (a loop body's): their mean per call
+    ops = {name: statistics.median(d) if len(d) == reps else sum(d) / reps
+           for name, d in runs.items()}
+    # the calls' time beside their kernels' is from the same runs where each is one function
+    return ops, statistics.median(calls) if len(calls) == reps else min(times)
 
 
 def traced_op(name: str, known) -> str | None:
