@@ -936,6 +936,11 @@ def test_step_costs_come_from_the_step_and_leave_the_model_as_it_was(monkeypatch
             - info["step_unmatched_seconds"]), rel=0.05)
     assert ex.graph.cost != alone.graph.cost
     assert ex.graph.memory == alone.graph.memory and ex.graph.edges == alone.graph.edges
+    # the traced static order is kept for optimize's timing of it, not rewritten again
+    from tf_remat.rewrite import static_order_step
+
+    assert set(ex.static_steps) == {"node"}
+    assert static_order_step(ex) is ex.static_steps["node"]
 
 
 def test_step_costs_fall_back_to_isolated_costs_when_the_step_cannot_be_traced(

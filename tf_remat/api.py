@@ -434,9 +434,11 @@ class OptimizedStep:
         """Run the step on ``(x, y)`` (synthetic when None) with the variables saved and restored;
         TensorFlow's measured peak (see :func:`measure_step_peak`)."""
         if x is None or (y is None and self.label_spec != ()):
+            from tf_remat.profile import synthetic_batch
+
             b = self._primary()
-            x, y = _synthetic_batch(*self._specs(_first_dim(self.input_spec),
-                                                 self._opts.get("sample_weight_spec")))
+            x, y = synthetic_batch(*self._specs(_first_dim(self.input_spec),
+                                                self._opts.get("sample_weight_spec")))
         else:  # the step for this batch's size, as a call on it would run
             b, (x, y) = self._prepare(x, y, None, apply_updates=True)
         return measure_step_peak(b.step, x, y, variables=b.extraction.traced.variables,
@@ -671,6 +673,7 @@ class OptimizedStep:
     def _build(self, batch, apply_updates, weights=None, shapes=None) -> _Built:
         from tf_remat.extract import (current_device_kind, extract, memory_stats_missing,
                                       overrides_train_step)
+        from tf_remat.profile import synthetic_batch
         from tf_remat.rewrite import rewrite
 
         o = self._opts
@@ -837,7 +840,7 @@ class OptimizedStep:
             rewrite_s += time.perf_counter() - tr
             measured = None
             if o["verify"] and not unmeasurable:
-                x, y = _synthetic_batch(ispec, lspec)
+                x, y = synthetic_batch(ispec, lspec)
                 big = max(graph.memory) if graph.n else 0
                 measured = measure_step_peak(step, x, y, variables=ex.traced.variables,
                                              runs=_MEASURE_RUNS,
@@ -1112,12 +1115,12 @@ def _time_static_order(ex, chain, ispec, lspec) -> dict:
     import numpy as np
 
     from tf_remat.extract import snapshot_variables
-
+    from tf_remat.profile import synthetic_batch
     from tf_remat.rewrite import static_order_step
 
     static = static_order_step(ex, chain)
     plain = ex.traced.function
-    x, y = _synthetic_batch(ispec, lspec)
+    x, y = synthetic_batch(ispec, lspec)
     variables = ex.traced.variables
     saved = snapshot_variables(variables)
 
@@ -1477,9 +1480,3 @@ def _block(out):
     from tf_remat.extract import block
 
     block(out)
-
-
-def _synthetic_batch(input_spec, label_spec):
-    from tf_remat.profile import synthetic_batch
-
-    return synthetic_batch(input_spec, label_spec)

@@ -86,14 +86,15 @@ def _probe(build, batch, budget, *, remat, strategy, time_limit, verbose, cost_m
     """
     import keras
 
-    from tf_remat.api import _synthetic_batch, measure_step_peak
+    from tf_remat.api import measure_step_peak
     from tf_remat.errors import InfeasibleBudgetError, RematError
+    from tf_remat.profile import synthetic_batch
 
     keras.backend.clear_session()
     gc.collect()
     model, input_spec, label_spec = build(batch)
     # no labels (a train_step that takes x alone): the steps take () for them
-    x, y = _synthetic_batch(input_spec, () if label_spec is None else label_spec)
+    x, y = synthetic_batch(input_spec, () if label_spec is None else label_spec)
     t0 = time.perf_counter()
     if remat:
         from tf_remat.api import optimize

@@ -310,6 +310,9 @@ class Extraction:
     op_map: OpMap
     traced: TracedStep
     info: dict = dataclasses.field(default_factory=dict)
+    # static-order steps built from it, by chain (tf_remat.rewrite.static_order_step): the step
+    # costs trace one and optimize times the same one, and a rewrite takes seconds on big graphs
+    static_steps: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the graph JSON to ``path`` and the op map beside it (:func:`op_map_path`)."""

@@ -116,14 +116,19 @@ class RewrittenStep:
 
 def static_order_step(extraction, chain: str = "node") -> "RewrittenStep":
     """The extracted graph rewritten with nothing recomputed, in topological order, chained as
-    ``chain``: what running the step in any static order costs by itself."""
+    ``chain``: what running the step in any static order costs by itself. Built once per chain
+    and kept on the extraction (its costs do not enter the rewrite, so the step costs replacing
+    them leave it valid)."""
     from tf_remat.plan import make_plan
     from tf_remat.solvers.baselines import checkpoint_all
 
-    graph = extraction.graph
-    budget = 2**62  # checkpoint-all needs none; the plan only orders
-    plan = make_plan(graph, checkpoint_all(graph, budget), budget, strategy="checkpoint-all")
-    return rewrite(extraction.traced, graph, extraction.op_map, plan, chain=chain)
+    if chain not in extraction.static_steps:
+        graph = extraction.graph
+        budget = 2**62  # checkpoint-all needs none; the plan only orders
+        plan = make_plan(graph, checkpoint_all(graph, budget), budget, strategy="checkpoint-all")
+        extraction.static_steps[chain] = rewrite(extraction.traced, graph, extraction.op_map,
+                                                 plan, chain=chain)
+    return extraction.static_steps[chain]
 
 
 def rewrite(traced, graph, op_map, plan: Plan, *, chain: str = "op") -> RewrittenStep:
