@@ -925,15 +925,13 @@ def test_step_costs_come_from_the_step_and_leave_the_model_as_it_was(monkeypatch
     for v in ex.traced.variables:
         np.testing.assert_array_equal(v.numpy(), before[id(v)], err_msg=v.name)
     # nearly every kernel the step ran is found in a node (Grappler's renames included)
-    assert info["step_unmatched_seconds"] <= 0.05 * info["step_kernel_seconds"], info
+    assert info["step_unmatched_seconds"] <= 0.05 * info["step_wall_seconds"], info
     with_ops = [i for i, ops in enumerate(ex.op_map.nodes) if ops]
     assert info["step_untraced_nodes"] <= 0.1 * len(with_ops), info
     assert all(ex.graph.cost[i] > 0 for i in with_ops)
     assert all(ex.graph.cost[i] == 0 for i, ops in enumerate(ex.op_map.nodes) if not ops)
-    # the costs add up to the step's time, between kernels included
-    assert ex.graph.total_cost == pytest.approx(
-        max(info["step_wall_seconds"], info["step_kernel_seconds"]
-            - info["step_unmatched_seconds"]), rel=0.05)
+    # the costs share out the step's time, kernels side by side and the time between included
+    assert ex.graph.total_cost == pytest.approx(info["step_wall_seconds"], rel=0.05)
     assert ex.graph.cost != alone.graph.cost
     assert ex.graph.memory == alone.graph.memory and ex.graph.edges == alone.graph.edges
     # the traced static order is kept for optimize's timing of it, not rewritten again
@@ -960,6 +958,19 @@ def test_step_costs_fall_back_to_isolated_costs_when_the_step_cannot_be_traced(
         tf.profiler.experimental.stop()
     assert ex.info["step_costs"].startswith("not traced"), ex.info["step_costs"]
     assert ex.graph.cost == alone.graph.cost  # the cached isolated costs, unchanged
+
+
+def test_kernels_side_by_side_share_the_time_and_a_wait_goes_to_the_next_kernel():
+    from tf_remat.profile import _shares
+
+    ps = 10**12  # the trace's picoseconds, in seconds
+    # a alone for 5 s, a and b together 5 s, b alone 5 s, nothing 5 s, c 10 s; two runs of
+    # a loop body's op at once (one name) each take their half
+    got = _shares([(0, 10 * ps, "a"), (5 * ps, 15 * ps, "b"), (20 * ps, 30 * ps, "c"),
+                   (30 * ps, 34 * ps, "d"), (30 * ps, 34 * ps, "d")])
+    assert [n for n, _ in got] == ["a", "b", "c", "d", "d"]
+    assert [sec for _, sec in got] == pytest.approx([7.5, 7.5, 15.0, 2.0, 2.0])
+    assert sum(sec for _, sec in got) == pytest.approx(34.0)  # the span, nothing twice
 
 
 def test_traced_kernel_names_map_back_to_the_ops_of_the_step():

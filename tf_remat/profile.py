@@ -154,20 +154,23 @@ def profile_nodes(traced, op_map, *, verbose: int = 1, runs: int = 5, warmup: in
 def step_costs(extraction, *, reps: int = 5, warmup: int = 2):
     """Node costs from the step itself: the extraction's graph run in a static order with
     nothing recomputed (:func:`tf_remat.rewrite.static_order_step`), ``reps`` times under
-    TensorFlow's profiler, each op's kernel time summed over its node.
+    TensorFlow's profiler, each op's share of the step's time summed over its node.
 
     A node's ops cost less in the step than alone: on a 2-core AMD EPYC the transformer's
     isolated costs summed to 2.2 times the kernels the ordered step ran, and not evenly (its
     softmax and dropout nodes 2-3 times, its MatMuls 1.2), so the recomputation of the nodes
-    the solver found cheapest was priced at 0.5-0.7 of what it took in the step. The step's
-    time between kernels (the executor's) is shared out by op count, since a recomputed copy
-    pays it too. A node none of whose ops appear in the trace (Grappler merged them into
-    another node's op under a name not traced back) keeps its isolated cost, scaled by the
-    median ratio of the traced nodes.
+    the solver found cheapest was priced at 0.5-0.7 of what it took in the step. An op's share
+    (:func:`op_seconds` with ``share=True``) divides each instant among the kernels running
+    then and gives the executor's time between kernels to the kernel it started next: summed
+    kernel times count twice what runs side by side (an LSTM step's loop bodies ran kernels
+    whose times summed to 1.5-2.5 times the step's), and the time between kernels belongs to
+    the ops that wait on it (a loop pays it per iteration). A node none of whose ops appear in
+    the trace (Grappler merged them into another node's op under a name not traced back) keeps
+    its isolated cost, scaled by the median ratio of the traced nodes.
 
     CPU only: on a GPU the profiler's host events time kernel launches, not kernels. The
-    step runs on a synthetic batch and every variable it captures is restored after each run,
-    so the model's weights, optimizer slots and RNG state do not change.
+    step runs on a synthetic batch and every variable it captures is restored after each run
+    (untimed), so the model's weights, optimizer slots and RNG state do not change.
 
     Returns:
         ``(costs, info)``: seconds per node (None when the step could not be traced: on a GPU,
@@ -187,12 +190,9 @@ def step_costs(extraction, *, reps: int = 5, warmup: int = 2):
     try:
         step = static_order_step(extraction)
         x, y = synthetic_batch(traced.input_spec, traced.label_spec)
-
-        def once():
-            block(step(x, y))
-            restore_variables(variables, saved)
-
-        seconds, wall = op_seconds(once, reps=reps, warmup=warmup)
+        seconds, wall = op_seconds(lambda: block(step(x, y)), reps=reps, warmup=warmup,
+                                   reset=lambda: restore_variables(variables, saved),
+                                   share=True)
     except Exception as exc:  # noqa: BLE001 (the isolated costs stand in; lose nothing)
         return None, {"step_costs": f"not traced: {type(exc).__name__}: {str(exc)[:200]}"}
     finally:
@@ -213,23 +213,29 @@ def step_costs(extraction, *, reps: int = 5, warmup: int = 2):
     untraced = [i for i, ops in enumerate(op_map.nodes) if ops and per[i] == 0]
     for i in untraced:
         per[i] = iso[i] * scale
-    n_ops = sum(len(ops) for ops in op_map.nodes)
-    gap = max(0.0, wall - sum(per)) / n_ops if n_ops else 0.0
-    costs = [max(c + gap * len(ops), _MIN_OP_SECONDS * len(ops)) if ops else 0.0
+    costs = [max(c, _MIN_OP_SECONDS * len(ops)) if ops else 0.0
              for c, ops in zip(per, op_map.nodes)]
     return costs, {"step_costs": "traced", "step_trace_seconds": time.perf_counter() - t0,
-                   "step_wall_seconds": wall, "step_kernel_seconds": sum(seconds.values()),
-                   "step_unmatched_seconds": unmatched, "step_untraced_nodes": len(untraced),
+                   "step_wall_seconds": wall, "step_unmatched_seconds": unmatched,
+                   "step_untraced_nodes": len(untraced),
                    "isolated_over_step": 1 / scale if scale else None}
 
 
-def op_seconds(run, *, reps: int = 5, warmup: int = 2):
+_RUN_EVENT = "tf_remat.op_seconds"  # the profiler event around each traced call
+
+
+def op_seconds(run, *, reps: int = 5, warmup: int = 2, reset=None, share: bool = False):
     """Seconds per call of ``run()`` that each op's kernels ran, from a ``tf.profiler`` trace
-    of ``reps`` calls (the median over the calls for an op that runs once in each); and the
-    seconds per call: the median of the traced calls where each runs one function (the
-    profiler's ``KernelAndDeviceFunc::Run``), else the least of up to three untraced calls
-    before them. Those follow ``warmup - 1`` (at least one) calls not timed; a call over a
-    second is timed once and traced twice.
+    of ``reps`` calls (per op, the median over the calls of its time in each); and the seconds
+    per call: the least of up to three untraced calls before them (the profiler adds its own
+    time to every kernel). Those follow ``warmup - 1`` (at least one) calls not timed; a call
+    over a second is timed once and traced twice. ``reset()``, when given, runs after every
+    call, untimed and outside the traced calls (restoring the variables).
+
+    ``share=True``: each op's share of the call's time instead of its kernels' durations.
+    Every instant of a traced call between its first kernel's start and its last one's end is
+    divided among the kernels running then, a stretch with none running goes to the kernel
+    that starts after it, and the shares are scaled to sum to the untraced call's time.
 
     The host events named ``op_name:OpType`` are the CPU kernels (on a GPU they time the
     launches). Op names inside a rewritten step (the function ``remat``) lose that prefix.
@@ -241,13 +247,16 @@ def op_seconds(run, *, reps: int = 5, warmup: int = 2):
     import tensorflow as tf
     from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
+    reset = reset or (lambda: None)
     for _ in range(max(1, warmup - 1)):
         run()  # the first call builds and optimizes the function
+        reset()
     times = []
     for _ in range(3):
         t = time.perf_counter()
         run()
         times.append(time.perf_counter() - t)
+        reset()
         if times[-1] > 1.0:  # a slow step (a big model on a CPU): fewer calls
             reps = min(reps, 2)
             break
@@ -256,7 +265,9 @@ def op_seconds(run, *, reps: int = 5, warmup: int = 2):
         tf.profiler.experimental.start(logdir)
         try:
             for _ in range(reps):
-                run()
+                with tf.profiler.experimental.Trace(_RUN_EVENT):
+                    run()
+                reset()
         finally:
             tf.profiler.experimental.stop()
         space = xplane_pb2.XSpace()
@@ -267,14 +278,17 @@ def op_seconds(run, *, reps: int = 5, warmup: int = 2):
             space.ParseFromString(f.read())
     finally:
         shutil.rmtree(logdir, ignore_errors=True)
-    runs, calls = {}, []
+    calls, kernels = [], []
     for plane in space.planes:
         meta = {k: v.name for k, v in plane.event_metadata.items()}
         for line in plane.lines:
+            base = line.timestamp_ns * 1000
             for e in line.events:
                 full = meta.get(e.metadata_id, "")
-                if full == "KernelAndDeviceFunc::Run":  # one traced call of a function
-                    calls.append(e.duration_ps * 1e-12)
+                start = base + e.offset_ps
+                if full == _RUN_EVENT:
+                    calls.append((start, start + e.duration_ps))
+                    continue
                 name, sep, kind = full.partition(":")
                 # "EagerLocalExecute: __inference_...", "ExecutorState::Process" and the like
                 # are calls and the executor, not kernels
@@ -282,13 +296,58 @@ def op_seconds(run, *, reps: int = 5, warmup: int = 2):
                         name.startswith("__inference"):
                     continue
                 name = name[len("remat/"):] if name.startswith("remat/") else name
-                runs.setdefault(name, []).append(e.duration_ps * 1e-12)
-    # an op run once per call: the median of its runs, so that a burst of load on this
-    # machine during one call does not price it; others (a loop body's): their mean per call
-    ops = {name: statistics.median(d) if len(d) == reps else sum(d) / reps
-           for name, d in runs.items()}
-    # the calls' time beside their kernels' is from the same runs where each is one function
-    return ops, statistics.median(calls) if len(calls) == reps else min(times)
+                kernels.append((start, start + e.duration_ps, name))
+    if len(calls) != reps:
+        raise RuntimeError(f"the trace holds {len(calls)} of the {reps} calls")
+    calls.sort()
+    kernels.sort()
+    per_call = [{} for _ in calls]
+    k = 0
+    for c, (lo, hi) in enumerate(calls):
+        while k < len(kernels) and kernels[k][0] < lo:
+            k += 1  # a kernel outside the calls (reset's): not the step's
+        inside = []
+        while k < len(kernels) and kernels[k][0] <= hi:
+            inside.append(kernels[k])
+            k += 1
+        spent = _shares(inside) if share else [(n, (e - s) * 1e-12) for s, e, n in inside]
+        for name, sec in spent:
+            per_call[c][name] = per_call[c].get(name, 0.0) + sec
+    # the median over the calls, so that a burst of load on this machine during one call
+    # does not price an op
+    names = {name for d in per_call for name in d}
+    ops = {name: statistics.median(d.get(name, 0.0) for d in per_call) for name in names}
+    if share:
+        total = sum(ops.values())
+        ops = {name: sec * min(times) / total for name, sec in ops.items()} if total else ops
+    return ops, min(times)
+
+
+def _shares(kernels):
+    """``[(name, seconds)]``: each kernel's share of the time from the first kernel's start to
+    the last one's end (``kernels``: ``(start_ps, end_ps, name)`` sorted by start). Each
+    stretch is split evenly among the kernels running in it; a stretch with none running is
+    given to the kernel that starts at its end."""
+    bounds = sorted([(s, 1, i) for i, (s, _, _) in enumerate(kernels)]
+                    + [(e, 0, i) for i, (_, e, _) in enumerate(kernels)])
+    got = [0.0] * len(kernels)
+    active, idle, last = set(), 0, None
+    for t, starts, i in bounds:
+        if last is not None and t > last:
+            if active:
+                each = (t - last) / len(active)
+                for j in active:
+                    got[j] += each
+            else:
+                idle += t - last
+        if starts:
+            got[i] += idle
+            idle = 0
+            active.add(i)
+        else:
+            active.discard(i)
+        last = t
+    return [(n, g * 1e-12) for (_, _, n), g in zip(kernels, got)]
 
 
 def traced_op(name: str, known) -> str | None:

@@ -203,11 +203,7 @@ def _kernel_seconds(fn, x, y, state, reps=3):
     from tf_remat.extract import block
     from tf_remat.profile import op_seconds
 
-    def once():
-        block(fn(x, y))
-        state.restore()
-
-    return op_seconds(once, reps=reps)[0]
+    return op_seconds(lambda: block(fn(x, y)), reps=reps, reset=state.restore)[0]
 
 
 def _copy_kernel_share(floor, step, x, y, state):
