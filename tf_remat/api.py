@@ -134,7 +134,7 @@ def optimize(model, budget_gb: float | None = None, *, budget_bytes: int | None 
             each re-solve gets the whole limit; after, each gets a quarter of it, and these stop
             once they have spent one more ``time_limit`` in all. None: no limit.
         verbose: 0 silent; 1 progress and a summary line.
-        cost_model: ``"step"`` (each node's kernel time in a profiler trace of the step run
+        cost_model: ``"step"`` (each node's share of the time in a profiler trace of the step run
             in a static order, on a CPU; on a GPU, or where the step cannot run, ``"profile"``'s
             costs), ``"profile"`` (each node's ops measured alone here, cached) or
             ``"flops"`` (an estimate; no measurement). See :func:`tf_remat.extract.extract`.

@@ -376,8 +376,8 @@ def _build_parser() -> argparse.ArgumentParser:
                                                  "transformer); default: the model's")
     s.add_argument("--classes", type=positive(int), default=None, help="output classes")
     s.add_argument("--cost-model", default="step", choices=("step", "profile", "flops"),
-                   help="step: each node's kernel time in a trace of the step (CPU; on a GPU "
-                        "as profile); profile: each node measured alone here (cached); "
+                   help="step: each node's share of the step's time in a trace of it (CPU; "
+                        "on a GPU as profile); profile: each node measured alone here (cached); "
                         "flops: an estimate")
     s.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
     s.add_argument("-o", "--output", help="graph JSON to write (default <model>_b<batch>.json);"

@@ -659,7 +659,7 @@ def extract(model, *, input_spec, label_spec, loss=None, optimizer=None,
             ``label_spec=None`` stands for no labels there.
         cost_model: ``"profile"`` (each node's ops measured alone on the current device, GPU
             if TensorFlow sees one, cached on disk; see :mod:`tf_remat.profile`), ``"step"``
-            (on a CPU, those costs replaced by each node's kernel time in a profiler trace of
+            (on a CPU, those costs replaced by each node's share of the time in a profiler trace of
             the step run in a static order, :func:`tf_remat.profile.step_costs`; the isolated
             ones where the step cannot run or on a GPU) or ``"flops"`` (an estimate from FLOPs
             and bytes moved, no measurement; coarse, for machines where profiling is not

@@ -13,9 +13,9 @@ results are cached on disk, keyed by the device, TensorFlow version, oneDNN sett
 signature, in ``$TF_REMAT_CACHE`` (default ``~/.cache/tf_remat``).
 
 ``cost_model="step"`` (:func:`step_costs`, what ``tf_remat.optimize`` uses): those costs, then,
-on a CPU, each node's kernel time where the step runs it: the graph is rewritten in a static order
-with nothing recomputed and traced by ``tf.profiler`` for a few runs (the variables restored
-after each). Alone, a node measures more than its kernels take in the step, and unevenly: on a
+on a CPU, each node's share of the step's time where the step runs it: the graph is rewritten in
+a static order with nothing recomputed and traced by ``tf.profiler`` for a few runs (the
+variables restored after each). Alone, a node measures more than its kernels take in the step, and unevenly: on a
 2-core AMD EPYC the transformer's softmax kernel took 0.69 ms alone and 0.43-0.54 ms in the step,
 its softmax and dropout nodes cost 2-3 times their in-step time and its MatMuls 1.2 times, and
 two fresh profiles of it summed to 410 and 328 ms (the step's kernels: 175-210 ms). That priced

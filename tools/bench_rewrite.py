@@ -59,9 +59,9 @@ def run_case(name, batch, size, fractions, strategy, time_limit, runs, trace=Tru
     from tf_remat.errors import InfeasibleBudgetError, RematError
     from tf_remat.extract import trace_training_step
     from tf_remat.rewrite import static_order_step
-    from tf_remat.zoo import get_model
 
-    model, xs, ys = get_model(name, batch, size)
+    model, xs, ys = _model(name, batch, size)
+    batch = int(xs.shape[0])
     ref = trace_training_step(model, xs, ys, conv_gradients="tensorflow")
     gref = trace_training_step(model, xs, ys, apply_updates=False, conv_gradients="tensorflow")
     x, y = _batch(xs, ys, model)
@@ -171,6 +171,21 @@ class _Snapshot:
 
         for v, s in zip(self.variables, self.values):
             v.assign(np.array(s, copy=True))
+
+
+def _model(name, batch, size):
+    """A zoo model, else one of ``tools/bench_heldout.py``'s (its own batch size when None)."""
+    from tf_remat.zoo import MODELS, get_model
+
+    if name in MODELS:
+        return get_model(name, batch, size)
+    import bench_heldout
+
+    if name not in bench_heldout.MODELS:
+        raise SystemExit(f"unknown model {name!r}: not in the zoo ({', '.join(MODELS)}) nor "
+                         f"in tools/bench_heldout.py")
+    build = bench_heldout.MODELS[name]
+    return build(batch=batch) if batch else build()
 
 
 def _batch(xs, ys, model):
@@ -383,7 +398,8 @@ NOTES = """\
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", nargs="+", default=None, help="zoo names (default: all)")
+    p.add_argument("--models", nargs="+", default=None,
+                   help="zoo names, or tools/bench_heldout.py's (default: the zoo's)")
     p.add_argument("--batch", type=int, default=None, help="override the batch size")
     p.add_argument("--input", default=None, help="override the input size")
     p.add_argument("--fractions", default=",".join(map(str, FRACTIONS)))
@@ -409,7 +425,8 @@ def main(argv=None):
     cases = [c for c in DEFAULT_CASES if args.models is None or c[0] in args.models]
     if args.models:
         known = {c[0] for c in DEFAULT_CASES}
-        cases += [(m, 4, None) for m in args.models if m not in known]
+        # a held-out model (tools/bench_heldout.py) at its own batch size
+        cases += [(m, None, None) for m in args.models if m not in known]
     results = []
     for name, batch, size in cases:
         batch = args.batch or batch
