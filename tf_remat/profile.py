@@ -15,11 +15,12 @@ signature, in ``$TF_REMAT_CACHE`` (default ``~/.cache/tf_remat``).
 ``cost_model="step"`` (:func:`step_costs`, what ``tf_remat.optimize`` uses): those costs, then,
 on a CPU, each node's share of the step's time where the step runs it: the graph is rewritten in
 a static order with nothing recomputed and traced by ``tf.profiler`` for a few runs (the
-variables restored after each). Alone, a node measures more than its kernels take in the step, and unevenly: on a
-2-core AMD EPYC the transformer's softmax kernel took 0.69 ms alone and 0.43-0.54 ms in the step,
-its softmax and dropout nodes cost 2-3 times their in-step time and its MatMuls 1.2 times, and
-two fresh profiles of it summed to 410 and 328 ms (the step's kernels: 175-210 ms). That priced
-the recomputation the solver chose at 0.5-0.7 of what it cost in the step.
+variables restored after each). Alone, a node measures more than its kernels take in the step,
+and unevenly: on a 2-core AMD EPYC the transformer's softmax kernel took 0.69 ms alone and
+0.43-0.54 ms in the step, its softmax and dropout nodes cost 2-3 times their in-step time and
+its MatMuls 1.2 times, and two fresh profiles of it summed to 410 and 328 ms (the step's
+kernels: 175-210 ms). That priced the recomputation the solver chose at 0.5-0.7 of what it cost
+in the step.
 
 ``cost_model="flops"`` (:func:`flops_costs`): no measurement. Each op costs
 ``flops / FLOP_RATE + bytes_moved / BANDWIDTH + OP_OVERHEAD`` with rough constants for a CPU
