@@ -225,12 +225,16 @@ def _copy_kernel_share(floor, step, x, y, state):
     """The recomputed copies' kernel time in the rewritten step, over the kernel time of the
     graph's ops in the static-order step: the recomputation's cost where the step runs it,
     free of the runtime's scheduling and of this machine's load."""
+    from tf_remat.profile import traced_op
     from tf_remat.rewrite import _COPY
 
     names = {o for ops in step._primary().extraction.op_map.nodes for o in ops}
-    base = sum(t for o, t in _kernel_seconds(floor, x, y, state).items() if o in names)
+    # a loop body's kernels (``<loop>/body/_k/...``) and Grappler's renamed ops belong to the
+    # graph op they are traced back to, in the base as in the copies
+    base = sum(t for o, t in _kernel_seconds(floor, x, y, state).items()
+               if traced_op(o, names) is not None)
     copies = sum(t for o, t in _kernel_seconds(step, x, y, state).items()
-                 if _COPY in o and o.split(_COPY)[0] in names)
+                 if _COPY in o and traced_op(o.split(_COPY)[0], names) is not None)
     return {"kernel_seconds": base, "copy_kernel_seconds": copies,
             "copy_kernel_share": copies / base if base else None}
 
