@@ -998,6 +998,10 @@ def test_kernels_side_by_side_share_the_time_and_a_wait_goes_to_the_next_kernel(
     assert [n for n, _ in got] == ["a", "b", "c", "d", "d"]
     assert [sec for _, sec in got] == pytest.approx([7.5, 7.5, 15.0, 2.0, 2.0])
     assert sum(sec for _, sec in got) == pytest.approx(34.0)  # the span, nothing twice
+    # a kernel of zero length takes the wait before it and nothing after: it is not left
+    # running beside the next kernels
+    got = _shares([(0, 2 * ps, "a"), (4 * ps, 4 * ps, "z"), (4 * ps, 10 * ps, "b")])
+    assert [sec for _, sec in got] == pytest.approx([2.0, 2.0, 6.0])
 
 
 def test_traced_kernel_names_map_back_to_the_ops_of_the_step():

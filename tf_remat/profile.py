@@ -344,7 +344,8 @@ def _shares(kernels):
         if starts:
             got[i] += idle
             idle = 0
-            active.add(i)
+            if kernels[i][1] > t:  # a zero-length kernel's end sorted before its start
+                active.add(i)
         else:
             active.discard(i)
         last = t
