@@ -174,11 +174,12 @@ class _Snapshot:
 
 
 def _model(name, batch, size):
-    """A zoo model, else one of ``tools/bench_heldout.py``'s (its own batch size when None)."""
+    """A zoo model (batch 4 when None), else one of ``tools/bench_heldout.py``'s (its own
+    batch size when None)."""
     from tf_remat.zoo import MODELS, get_model
 
     if name in MODELS:
-        return get_model(name, batch, size)
+        return get_model(name, batch or 4, size)
     import bench_heldout
 
     if name not in bench_heldout.MODELS:
@@ -429,7 +430,7 @@ def main(argv=None):
     cases = [c for c in DEFAULT_CASES if args.models is None or c[0] in args.models]
     if args.models:
         known = {c[0] for c in DEFAULT_CASES}
-        # a held-out model (tools/bench_heldout.py) at its own batch size
+        # another zoo model at batch 4, a held-out one (tools/bench_heldout.py) at its own
         cases += [(m, None, None) for m in args.models if m not in known]
     results = []
     for name, batch, size in cases:
