@@ -4,7 +4,7 @@ import pytest
 from tf_remat.errors import PlanError
 from tf_remat.generators import linear_graph, random_dag
 from tf_remat.graph import Graph
-from tf_remat.plan import (Plan, Schedule, concurrent_groups, explain, make_plan, minimal_r,
+from tf_remat.plan import (Plan, Schedule, adjoin, concurrent_groups, explain, make_plan, minimal_r,
                            plan_from_rs, sequence_from_rs, simulate, steps_from_sequence)
 
 CHAIN = Graph(cost=(1, 2, 3, 4), memory=(10, 20, 30, 40), edges=((0, 1), (1, 2), (2, 3)))
@@ -129,6 +129,70 @@ def test_concurrent_groups_by_hand():
     # a cap under the plan's peak: a compute that passes it alone is a run of its own
     assert concurrent_groups(g, steps, cap=59) == (0, 0, 1, 2)
     assert concurrent_groups(g, steps, cap=0) == (0, 1, 2, 3)
+    # only 1 and 2 may share a run: 0 is a run of its own, as is 3
+    assert concurrent_groups(g, steps, among={1, 2}) == (0, 1, 1, 2)
+    assert concurrent_groups(g, steps, among={2, 3}) == (0, 1, 2, 3)
+
+
+def test_adjoin_moves_a_loop_next_to_the_one_before_it():
+    """Two loops (1 and 4, memory 5) fed by independent inputs (0, memory 7; 2 -> 3), joined by
+    5. In the order 0 1 2 3 4 5, 4 moves next to 1 with what it needs (2, 3) before 1; the cost
+    and the computes stay. 3 is then resident beside 0 and 1: the peak goes from 12 to 13, so
+    the default cap (the order's own peak) leaves the order as it was."""
+    g = Graph(cost=(1, 2, 3, 4, 5, 6), memory=(7, 5, 1, 1, 5, 1),
+              edges=((0, 1), (2, 3), (3, 4), (1, 5), (4, 5)))
+    seq = (0, 1, 2, 3, 4, 5)
+    new = adjoin(g, seq, {1, 4}, cap=100)
+    assert new == (0, 2, 3, 1, 4, 5)
+    before = simulate(g, steps_from_sequence(g, seq))
+    after = simulate(g, steps_from_sequence(g, new))
+    assert after.cost == before.cost and sorted(new) == sorted(seq)
+    assert (before.peak_memory, after.peak_memory) == (12, 13)
+    assert adjoin(g, seq, {1, 4}) == seq
+    assert adjoin(g, seq, {1, 4}, cap=13) == new
+    # 1 and 4 share a run where the memory before 1 (8) plus both outputs fits the cap
+    steps = steps_from_sequence(g, new)
+    assert concurrent_groups(g, steps, cap=18, among={1, 4}) == (0, 1, 2, 3, 3, 4)
+    assert concurrent_groups(g, steps, cap=17, among={1, 4}) == (0, 1, 2, 3, 4, 5)
+
+
+def test_adjoin_leaves_a_loop_that_reads_the_other():
+    """4 reads 1 through 3: they cannot run at once, and nothing moves; neither does a single
+    loop, or one whose previous loop is already next to it."""
+    g = Graph(cost=(1,) * 6, memory=(1, 5, 1, 1, 5, 1),
+              edges=((0, 1), (1, 3), (2, 3), (3, 4), (4, 5)))
+    seq = (0, 1, 2, 3, 4, 5)
+    assert adjoin(g, seq, {1, 4}, cap=100) == seq
+    assert adjoin(g, seq, {1}, cap=100) == seq
+    g2 = Graph(cost=(1,) * 4, memory=(1, 5, 5, 1), edges=((0, 1), (0, 2), (1, 3), (2, 3)))
+    assert adjoin(g2, (0, 1, 2, 3), {1, 2}, cap=100) == (0, 1, 2, 3)
+
+
+def test_adjoin_keeps_every_plan_valid():
+    """On random graphs with recomputation, whatever nodes are called loops: the new order is a
+    valid plan with the same computes and cost, within the cap. (Every node of these graphs
+    reads the one before it, so what moves is a loop that reads an older copy of the chain than
+    the loop before it.)"""
+    import random
+
+    moved = 0
+    for seed in range(6):
+        g = random_dag(24, seed=seed)
+        seq = list(g.order)
+        for v in list(g.order)[: g.n // 3]:
+            later = [s for s in g.succs[v] if seq.index(s) > seq.index(v) + 2]
+            if later and g.recomputable[v] and all(u in seq[: seq.index(later[-1])]
+                                                   for u in g.preds[v]):
+                seq.insert(seq.index(later[-1]), v)
+        loops = set(random.Random(seed).sample(range(g.n), 10))
+        before = simulate(g, steps_from_sequence(g, seq))
+        for cap in (before.peak_memory, 10**9):
+            new = adjoin(g, seq, loops, cap=cap)
+            after = simulate(g, steps_from_sequence(g, new))  # raises on an invalid plan
+            assert sorted(new) == sorted(seq) and after.cost == pytest.approx(before.cost)
+            assert after.peak_memory <= cap
+            moved += tuple(new) != tuple(seq)
+    assert moved >= 6
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -674,7 +674,7 @@ class OptimizedStep:
         from tf_remat.extract import (current_device_kind, extract, memory_stats_missing,
                                       overrides_train_step)
         from tf_remat.profile import synthetic_batch
-        from tf_remat.rewrite import rewrite
+        from tf_remat.rewrite import adjoin_loops, rewrite
 
         o = self._opts
         verbose = o["verbose"]
@@ -803,6 +803,9 @@ class OptimizedStep:
                 # what a later optimize(plan=...) checks the plan against
                 plan = dataclasses.replace(plan, info={**plan.info, "plan_source": "solved",
                                                        "graph_digest": graph.structure_digest})
+                if o["chain"] == "node" and plan.within_budget:
+                    # independent loops next to each other, for the node chain to overlap
+                    plan = adjoin_loops(ex.traced, graph, ex.op_map, plan)
             solve_s = time.perf_counter() - ts
             # (a max-batch probe counts them all: its sizes must fit with fewer tries than the
             # user's own optimize at the size it reports will get)

@@ -47,6 +47,7 @@ __all__ = [
     "explain",
     "load_plan",
     "concurrent_groups",
+    "adjoin",
 ]
 
 STATUSES = ("optimal", "feasible", "infeasible", "timeout")
@@ -408,7 +409,7 @@ def explain(plan: Plan, graph: Graph, *, limit: int = 20) -> str:
 
 
 def concurrent_groups(graph: Graph, steps, cap: int | None = None, *,
-                      transient: Sequence[int] = ()) -> tuple:
+                      transient: Sequence[int] = (), among=None) -> tuple:
     """Split a plan's computes into runs of adjacent computes that may run in any order or at
     once without the memory passing ``cap`` (default: the plan's own simulated peak).
 
@@ -419,6 +420,9 @@ def concurrent_groups(graph: Graph, steps, cap: int | None = None, *,
     step that orders only the runs (a run waiting for the whole previous one) never holds more
     than the plan's peak, and the runtime may run the members of a run side by side. A node is
     never in a run twice (its copies would be indistinguishable).
+
+    ``among``: if given, only computes of these nodes share a run (every other compute is a run
+    of its own).
 
     Returns:
         per compute step, in order, the index of its run (non-decreasing from 0).
@@ -438,13 +442,83 @@ def concurrent_groups(graph: Graph, steps, cap: int | None = None, *,
         if op == "free":
             mem -= mem_of[v]
             continue
-        if run < 0 or v in members or start + held + mem_of[v] + extra[v] > cap:
+        if (run < 0 or v in members or start + held + mem_of[v] + extra[v] > cap
+                or (among is not None and (v not in among or not members <= among))):
             run, start, held, members = run + 1, mem, 0, set()
         held += mem_of[v] + extra[v]
         members.add(v)
         out.append(run)
         mem += mem_of[v]
     return tuple(out)
+
+
+def adjoin(graph: Graph, sequence: Sequence[int], nodes, cap: int | None = None) -> tuple:
+    """Move each compute of ``nodes`` next to the compute of ``nodes`` before it, where the two
+    are independent and the memory allows, so that a step may run them side by side.
+
+    For a compute of ``w`` at position ``j`` whose previous compute of ``nodes`` is ``u`` at ``i``,
+    the computes between them that ``w`` needs (through the copies it reads) move before ``u``,
+    ``w`` right after it, the others after ``w``, each keeping its order. Skipped where ``w``
+    reads ``u``'s copy (directly or through the moved computes), or where the new order's
+    simulated peak passes ``cap`` (default: the sequence's own peak). Every node computes as
+    often as before, so the cost is the same.
+
+    What it is for: a static order runs a Bidirectional RNN's two directions one after the
+    other, where TensorFlow runs the two loops at once; adjacent and independent, a step
+    (:func:`tf_remat.rewrite.rewrite`, ``chain="node"``) lets them overlap again.
+
+    Returns:
+        the new compute sequence (``sequence`` itself where nothing moved).
+    """
+    seq = [int(v) for v in sequence]
+    nodes = frozenset(int(v) for v in nodes)
+    if len(nodes) < 2:
+        return tuple(seq)
+    if cap is None:
+        cap = simulate(graph, steps_from_sequence(graph, seq)).peak_memory
+    preds = graph.preds
+    for j in range(len(seq)):
+        w = seq[j]
+        if w not in nodes:
+            continue
+        i = next((p for p in range(j - 1, -1, -1) if seq[p] in nodes), None)
+        if i is None or i == j - 1 or seq[i] == w:
+            continue
+        # the computes between u and w that w reads through the copies it takes
+        need, stack = set(), [j]
+        dependent = False
+        while stack:
+            p = stack.pop()
+            for x in preds[seq[p]]:
+                q = _copy_read(seq, x, p)
+                if q == i:
+                    dependent = True
+                    break
+                if i < q < j and q not in need:
+                    need.add(q)
+                    stack.append(q)
+            if dependent:
+                break
+        if dependent:
+            continue
+        window = range(i + 1, j)
+        new = (seq[:i] + [seq[p] for p in window if p in need] + [seq[i], w]
+               + [seq[p] for p in window if p not in need] + seq[j + 1:])
+        try:
+            peak = simulate(graph, steps_from_sequence(graph, new)).peak_memory
+        except PlanError:
+            continue
+        if peak <= cap:
+            seq = new
+    return tuple(seq)
+
+
+def _copy_read(seq, x, p):
+    """The position of the copy of ``x`` a compute at position ``p`` reads (the newest before)."""
+    for q in range(p - 1, -1, -1):
+        if seq[q] == x:
+            return q
+    return -1
 
 
 def _resident_after(graph: Graph, steps, k: int) -> list:
