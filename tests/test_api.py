@@ -17,7 +17,7 @@ keras = pytest.importorskip("keras")
 import tf_remat  # noqa: E402
 from tf_remat.errors import InfeasibleBudgetError  # noqa: E402
 from test_extract import loop_model  # noqa: E402
-from test_rewrite import Snapshot, close, mlp, skip_cnn  # noqa: E402
+from test_rewrite import Snapshot, birnn, close, mlp, skip_cnn  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -558,6 +558,26 @@ def test_loop_memory_bounds_the_budget_and_the_error_says_why():
         tf_remat.optimize(model, budget_bytes=2 << 20, input_spec=tf.TensorSpec((512, 256)),
                           label_spec=tf.TensorSpec((512,), tf.int32), attach=False, **FAST)
     assert all(np.array_equal(a, v.numpy()) for a, v in zip(before, model.variables))
+
+
+def test_a_bidirectional_rnn_overlaps_its_loops_and_prices_what_it_does_not():
+    """The static order is timed with a Bidirectional LSTM's loops side by side and one after
+    the other; a plan with room for both pairs at once overlaps them and is priced as the
+    overlapped order, and the report says how many of the static order's pairs it kept."""
+    model, xs, ys = fresh(birnn)
+    step = tf_remat.optimize(model, budget_gb=1.0, input_spec=xs, label_spec=ys, attach=False,
+                             **TIMED)
+    rep = step.report
+    order = step._primary().order  # noqa: SLF001
+    assert order["overlapped_loops"] == 2 and "serial_order_overhead" in order
+    assert rep["overlapped_loops"] == rep["static_overlapped_loops"] == 2
+    assert rep["static_order_overhead"] == order["static_order_overhead"]
+    assert rep["serial_order_overhead"] == order["serial_order_overhead"]
+    assert step.rewritten.info["runs"] == len(step.plan.sequence) - 2
+    x, y = data(xs, ys)
+    g1, g2 = plain_and_step_gradients(model, xs, ys, step, tf.constant(x), tf.constant(y))
+    scale = max(float(np.abs(g).max()) for g in g1)
+    assert all(close(a, b, scale) for a, b in zip(g1, g2))
 
 
 def test_stacked_rnn_loops_are_recomputed_under_the_lists_they_keep():

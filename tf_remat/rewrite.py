@@ -116,23 +116,27 @@ class RewrittenStep:
         return out
 
 
-def static_order_step(extraction, chain: str = "node") -> "RewrittenStep":
+def static_order_step(extraction, chain: str = "node", *,
+                      overlap_loops: bool = True) -> "RewrittenStep":
     """The extracted graph rewritten with nothing recomputed, in topological order, chained as
-    ``chain``: what running the step in any static order costs by itself. Built once per chain
-    and kept on the extraction (its costs do not enter the rewrite, so the step costs replacing
-    them leave it valid)."""
+    ``chain``: what running the step in any static order costs by itself. Under the node chain
+    its independent loops are next to each other and overlap (:func:`adjoin_loops`), unless
+    ``overlap_loops`` is False: then every compute is ordered, what a plan whose memory leaves
+    no room for two loops at once costs. Built once per chain and kept on the extraction (its
+    costs do not enter the rewrite, so the step costs replacing them leave it valid)."""
     from tf_remat.plan import make_plan
     from tf_remat.solvers.baselines import checkpoint_all
 
-    if chain not in extraction.static_steps:
+    key = chain if overlap_loops or chain != "node" else "node-serial"
+    if key not in extraction.static_steps:
         graph = extraction.graph
         budget = 2**62  # checkpoint-all needs none; the plan only orders
         plan = make_plan(graph, checkpoint_all(graph, budget), budget, strategy="checkpoint-all")
-        if chain == "node":
+        if key == "node":
             plan = adjoin_loops(extraction.traced, graph, extraction.op_map, plan)
-        extraction.static_steps[chain] = rewrite(extraction.traced, graph, extraction.op_map,
-                                                 plan, chain=chain)
-    return extraction.static_steps[chain]
+        extraction.static_steps[key] = rewrite(extraction.traced, graph, extraction.op_map,
+                                               plan, chain=chain, overlap_loops=overlap_loops)
+    return extraction.static_steps[key]
 
 
 def loop_nodes(traced, op_map) -> frozenset:
@@ -166,7 +170,8 @@ def adjoin_loops(traced, graph, op_map, plan: Plan) -> Plan:
                                info={**plan.info, "adjoined_loops": moved})
 
 
-def rewrite(traced, graph, op_map, plan: Plan, *, chain: str = "op") -> RewrittenStep:
+def rewrite(traced, graph, op_map, plan: Plan, *, chain: str = "op",
+            overlap_loops: bool = True) -> RewrittenStep:
     """Build the training step that runs ``plan``.
 
     Args:
@@ -177,7 +182,8 @@ def rewrite(traced, graph, op_map, plan: Plan, *, chain: str = "op") -> Rewritte
         chain: ``"op"`` (every node op follows the previous one), ``"node"`` (a node's first ops
             follow the previous node's last ops; ops inside a node may run in parallel, and so
             may adjacent loops that the memory before them plus both loops' outputs and scratch
-            keeps within the plan's peak: see :func:`adjoin_loops`),
+            keeps within the plan's budget, unless ``overlap_loops`` is False: see
+            :func:`adjoin_loops`),
             ``"run"`` (the plan's computes are cut into runs whose members may run in any order
             or at once without the memory passing the plan's simulated peak,
             :func:`tf_remat.plan.concurrent_groups`; a run's first ops follow all of the
@@ -202,10 +208,14 @@ def rewrite(traced, graph, op_map, plan: Plan, *, chain: str = "op") -> Rewritte
         # chain), as nothing bounds what nodes run side by side would hold
         runs = (concurrent_groups(graph, plan.steps, transient=op_map.transient)
                 if op_map.transient else tuple(range(len(plan.sequence))))
-    elif chain == "node" and op_map.transient:
+    elif chain == "node" and op_map.transient and overlap_loops:
         loops = loop_nodes(traced, op_map)
         if len(loops) > 1:
-            runs = concurrent_groups(graph, plan.steps, transient=op_map.transient, among=loops)
+            # within what the plan was solved for, not its peak: a backward pair of loops sits
+            # at the peak, where the bound (both loops' outputs and scratch, nothing freed) is
+            # over the peak by what the solver's order frees between them
+            runs = concurrent_groups(graph, plan.steps, max(plan.peak_memory, plan.budget),
+                                     transient=op_map.transient, among=loops)
             if len(set(runs)) == len(runs):
                 runs = None
     gd, outputs, last, info = build_graph_def(traced, op_map, plan.sequence, chain=chain,
