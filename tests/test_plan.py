@@ -4,7 +4,7 @@ import pytest
 from tf_remat.errors import PlanError
 from tf_remat.generators import linear_graph, random_dag
 from tf_remat.graph import Graph
-from tf_remat.plan import (Plan, Schedule, adjoin, concurrent_groups, explain, make_plan, minimal_r,
+from tf_remat.plan import (Plan, Schedule, adjoin, concurrent_groups, run_cost, explain, make_plan, minimal_r,
                            plan_from_rs, sequence_from_rs, simulate, steps_from_sequence)
 
 CHAIN = Graph(cost=(1, 2, 3, 4), memory=(10, 20, 30, 40), edges=((0, 1), (1, 2), (2, 3)))
@@ -154,6 +154,9 @@ def test_adjoin_moves_a_loop_next_to_the_one_before_it():
     steps = steps_from_sequence(g, new)
     assert concurrent_groups(g, steps, cap=18, among={1, 4}) == (0, 1, 2, 3, 3, 4)
     assert concurrent_groups(g, steps, cap=17, among={1, 4}) == (0, 1, 2, 3, 4, 5)
+    # the run of 1 and 4 costs its dearer member, 5 (the order's costs: 1 3 4 2 5 6)
+    assert run_cost(g, steps, (0, 1, 2, 3, 3, 4)) == 1 + 3 + 4 + 5 + 6
+    assert run_cost(g, steps) == run_cost(g, steps, (0, 1, 2, 3, 4, 5)) == after.cost == 21
 
 
 def test_adjoin_leaves_a_loop_that_reads_the_other():

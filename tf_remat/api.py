@@ -377,7 +377,7 @@ class OptimizedStep:
     def report(self) -> dict:
         b = self._primary()
         plan, graph = b.plan, b.extraction.graph
-        from tf_remat.plan import simulate
+        from tf_remat.plan import run_cost, simulate
 
         counts = simulate(graph, plan.steps).compute_counts
         rep = {"strategy": plan.strategy, "plan_source": plan.info.get("plan_source", "solved"),
@@ -391,20 +391,26 @@ class OptimizedStep:
             rep["step_costs"] = b.extraction.info["step_costs"]
         if b.order is not None and plan.overhead is not None:
             s = b.order["static_order_overhead"]
-            if "serial_order_overhead" in b.order:
-                # the static order was timed with its independent loops side by side, and
-                # with them one after the other; this plan overlaps as many as its memory
-                # allows (none, at tight budgets: bilstm at 70% timed +77% where the
-                # overlapped static order timed +16%)
-                runs = b.step.info.get("runs")
-                pairs = 0 if runs is None else len(plan.sequence) - runs
-                rep["overlapped_loops"] = pairs
-                rep["static_overlapped_loops"] = b.order["overlapped_loops"]
-                rep["serial_order_overhead"] = b.order["serial_order_overhead"]
-                missing = max(0.0, 1 - pairs / b.order["overlapped_loops"])
-                s += missing * (b.order["serial_order_overhead"] - s)
             rep["static_order_overhead"] = s
             rep["predicted_overhead"] = (1 + s) * (1 + plan.overhead) - 1
+            static = b.order.get("static_step")
+            if "serial_order_overhead" in b.order:
+                # loops overlap in the static order, and in this plan where its memory allows
+                # (at tight budgets, nowhere: bilstm's step at 70% took +77% where the static
+                # order took +16%, and the order with every node after the one before +34%).
+                # The node costs are the serial order's (they sum to its time); a run of loops
+                # would cost its dearest loop (run_cost), and saves the share of that which the
+                # static order's two timings saved (0.7 on 2 cores)
+                ss = b.order["serial_order_overhead"]
+                rep["serial_order_overhead"] = ss
+                index = b.step.info.get("run_index")
+                rep["overlapped_loops"] = 0 if index is None else len(index) - len(set(index))
+                total = graph.total_cost
+                modelled = (1 + ss) * (1 - run_cost(graph, static.plan.steps,
+                                                    static.info["run_index"]) / total)
+                share = min(1.0, max(0.0, (ss - s) / modelled)) if modelled > 0 else 0.0
+                saved = plan.cost - run_cost(graph, plan.steps, index)
+                rep["predicted_overhead"] = (1 + ss) * (plan.cost - share * saved) / total - 1
             rep["plain_step_seconds"] = b.order["plain_seconds"]
             rep["predicted_step_seconds"] = (b.order["plain_seconds"]
                                              * (1 + rep["predicted_overhead"]))
@@ -1127,8 +1133,8 @@ def _time_static_order(ex, chain, ispec, lspec) -> dict:
     """Median, over paired rounds, of the static-order step's time over the plain step's; the
     variables are restored after every step. The pairs alternate which step runs first, so a
     burst of load on a shared machine falls on both alike. Where independent loops overlap in
-    the static order, also the price with them one after the other (``serial_order_overhead``,
-    ``overlapped_loops``: how many computes share a run with the one before)."""
+    the static order, the order with every node after the one before is timed too
+    (``serial_order_overhead``): the node costs are traced in that one."""
     import numpy as np
 
     from tf_remat.extract import snapshot_variables
@@ -1136,9 +1142,9 @@ def _time_static_order(ex, chain, ispec, lspec) -> dict:
     from tf_remat.rewrite import static_order_step
 
     static = static_order_step(ex, chain)
-    # where loops overlap in it, also the price of running them one after the other
+    # where loops overlap in it, also the order with every node after the one before
     serial = (static_order_step(ex, chain, overlap_loops=False)
-              if chain == "node" and static.info.get("runs") is not None else None)
+              if static.info.get("run_index") is not None else None)
     plain = ex.traced.function
     x, y = synthetic_batch(ispec, lspec)
     variables = ex.traced.variables
@@ -1176,10 +1182,10 @@ def _time_static_order(ex, chain, ispec, lspec) -> dict:
     finally:
         _restore(variables, saved)
     out = {"static_order_overhead": float(np.median(ratios)) - 1,
-           "plain_seconds": float(np.median(plains)), "rounds": len(ratios)}
+           "plain_seconds": float(np.median(plains)), "rounds": len(ratios),
+           "static_step": static}
     if serial is not None:
         out["serial_order_overhead"] = float(np.median(serial_ratios)) - 1
-        out["overlapped_loops"] = len(static.plan.sequence) - static.info["runs"]
     return out
 
 

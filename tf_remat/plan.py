@@ -48,6 +48,7 @@ __all__ = [
     "load_plan",
     "concurrent_groups",
     "adjoin",
+    "run_cost",
 ]
 
 STATUSES = ("optimal", "feasible", "infeasible", "timeout")
@@ -511,6 +512,24 @@ def adjoin(graph: Graph, sequence: Sequence[int], nodes, cap: int | None = None)
         if peak <= cap:
             seq = new
     return tuple(seq)
+
+
+def run_cost(graph: Graph, steps, runs=None) -> float:
+    """The plan's cost where the computes of a run (``runs``: the run index of each compute,
+    :func:`concurrent_groups`) run at once: each run costs its dearest member. A model for runs
+    of loops, each running one small kernel after another on one core (a Bidirectional LSTM's
+    two loops took 46 ms side by side and 60 one after the other, where the plain step took
+    40). Without ``runs``, the plan's cost."""
+    cost = graph.cost
+    seq = sequence_from_steps(steps)
+    if runs is None:
+        return float(sum(cost[v] for v in seq))
+    if len(runs) != len(seq):
+        raise ValueError(f"runs has {len(runs)} entries for {len(seq)} computes")
+    dearest = {}
+    for r, v in zip(runs, seq):
+        dearest[r] = max(dearest.get(r, 0.0), cost[v])
+    return float(sum(dearest.values()))
 
 
 def _copy_read(seq, x, p):

@@ -167,7 +167,10 @@ def step_costs(extraction, *, reps: int = 5, warmup: int = 2):
     whose times summed to 1.5-2.5 times the step's), and the time between kernels belongs to
     the ops that wait on it (a loop pays it per iteration). A node none of whose ops appear in
     the trace (Grappler merged them into another node's op under a name not traced back) keeps
-    its isolated cost, scaled by the median ratio of the traced nodes.
+    its isolated cost, scaled by the median ratio of the traced nodes. The order traced runs
+    every node after the one before (``overlap_loops=False``): a loop's cost is what it takes
+    alone, which :func:`tf_remat.plan.run_cost` turns into the time of a plan whose loops
+    overlap where its memory allows.
 
     CPU only: on a GPU the profiler's host events time kernel launches, not kernels. The
     step runs on a synthetic batch and every variable it captures is restored after each run
@@ -189,7 +192,7 @@ def step_costs(extraction, *, reps: int = 5, warmup: int = 2):
     variables = traced.variables
     saved = snapshot_variables(variables)
     try:
-        step = static_order_step(extraction)
+        step = static_order_step(extraction, overlap_loops=False)
         x, y = synthetic_batch(traced.input_spec, traced.label_spec)
         seconds, wall = op_seconds(lambda: block(step(x, y)), reps=reps, warmup=warmup,
                                    reset=lambda: restore_variables(variables, saved),

@@ -128,12 +128,18 @@ def static_order_step(extraction, chain: str = "node", *,
     from tf_remat.solvers.baselines import checkpoint_all
 
     key = chain if overlap_loops or chain != "node" else "node-serial"
+    if key == "node-serial" and key not in extraction.static_steps:
+        overlapped = static_order_step(extraction, chain)
+        if overlapped.info.get("run_index") is None:  # nothing overlaps: the same step
+            extraction.static_steps[key] = overlapped
     if key not in extraction.static_steps:
         graph = extraction.graph
         budget = 2**62  # checkpoint-all needs none; the plan only orders
         plan = make_plan(graph, checkpoint_all(graph, budget), budget, strategy="checkpoint-all")
         if key == "node":
-            plan = adjoin_loops(extraction.traced, graph, extraction.op_map, plan)
+            # the order without rematerialization holds no more than its own peak
+            plan = adjoin_loops(extraction.traced, graph, extraction.op_map, plan,
+                                cap=plan.peak_memory)
         extraction.static_steps[key] = rewrite(extraction.traced, graph, extraction.op_map,
                                                plan, chain=chain, overlap_loops=overlap_loops)
     return extraction.static_steps[key]
@@ -146,10 +152,10 @@ def loop_nodes(traced, op_map) -> frozenset:
                      if any(kind.get(o) in _LOOP_OPS for o in ops))
 
 
-def adjoin_loops(traced, graph, op_map, plan: Plan) -> Plan:
+def adjoin_loops(traced, graph, op_map, plan: Plan, cap: int | None = None) -> Plan:
     """``plan`` with each loop's compute moved next to the loop computed before it where the two
-    are independent and the plan's peak allows (:func:`tf_remat.plan.adjoin`), so that
-    ``chain="node"`` runs them side by side; ``plan`` itself where nothing moved.
+    are independent and the plan's budget allows (or ``cap``: :func:`tf_remat.plan.adjoin`), so
+    that ``chain="node"`` runs them side by side; ``plan`` itself where nothing moved.
 
     Why: a loop runs one small kernel after another, on one core at a time, and the plain
     step runs independent loops (a Bidirectional RNN's two directions, forward and backward)
@@ -160,7 +166,11 @@ def adjoin_loops(traced, graph, op_map, plan: Plan) -> Plan:
     if len(loops) < 2 or not plan.steps:
         return plan
     seq = plan.sequence
-    new = adjoin(graph, seq, loops, cap=plan.peak_memory)
+    # within what the plan was solved for (its peak may rise to it): at 90% of bilstm's step,
+    # a plan's forward loops stayed apart at its own peak
+    if cap is None:
+        cap = max(plan.peak_memory, plan.budget)
+    new = adjoin(graph, seq, loops, cap=cap)
     if new == tuple(seq):
         return plan
     steps = steps_from_sequence(graph, new)
@@ -501,6 +511,7 @@ def build_graph_def(traced, op_map, sequence, *, chain: str = "op", runs=None):
             "value_loops": len(loop_functions) // 2,
             "held_products": held,
             "runs": (runs[-1] + 1 if runs else 0) if order == "run" else None,
+            "run_index": tuple(runs) if order == "run" else None,
             "run_barriers": barriers if order == "run" else None,
             "tails": list(prev_tail)}
     return out, outputs, prev_tail, info
