@@ -105,6 +105,10 @@ def run_case(name, batch, size, fractions, strategy, time_limit, runs, trace=Tru
         # recompute_overhead below)
         row["recompute_pred"] = rep.get("recompute_overhead")
         row["static_pred"] = rep.get("static_order_overhead")
+        # where loops overlap in the static order: the order without overlap, and how many
+        # of this plan's loops share a run with the one before
+        row["serial_pred"] = rep.get("serial_order_overhead")
+        row["overlapped_loops"] = rep.get("overlapped_loops")
         state.restore()
         runs_meas = [measure_step_peak(step, x, y, variables=ref.variables) for _ in range(3)]
         peaks = [m["step_peak_bytes"] for m in runs_meas]
@@ -122,12 +126,18 @@ def run_case(name, batch, size, fractions, strategy, time_limit, runs, trace=Tru
         if floor is None:  # what optimize's time_order timed, built again to time it here
             floor = static_order_step(step._primary().extraction, step._opts["chain"])
         rounds = {}
-        times = _interleaved_times({"plain": ref.function, "static": floor, "remat": step},
-                                   x, y, state, runs, rounds)
+        steps = {"plain": ref.function, "static": floor, "remat": step}
+        if row["serial_pred"] is not None:
+            steps["serial"] = static_order_step(step._primary().extraction, step._opts["chain"],
+                                                overlap_loops=False)
+        times = _interleaved_times(steps, x, y, state, runs, rounds)
         row["t_plain"], row["t_static"], row["t_remat"] = \
             times["plain"], times["static"], times["remat"]
+        row["t_serial"] = times.get("serial")
         row["measured_overhead"] = _paired(rounds, "remat", "plain")
         row["static_overhead"] = _paired(rounds, "static", "plain")
+        if "serial" in rounds:
+            row["serial_overhead"] = _paired(rounds, "serial", "plain")
         row["recompute_overhead"] = _paired(rounds, "remat", "static")
         # the earlier figure, the medians' ratio, for comparison with earlier runs
         row["medians_overhead"] = times["remat"] / times["plain"] - 1
@@ -314,6 +324,9 @@ def table(results) -> str:
             st, rc = r.get("static_pred"), r.get("recompute_pred")
             parts = ("n/a" if st is None or rc is None
                      else f"{100 * st:+.1f}% + {100 * rc:.1f}%")
+            if r.get("serial_pred") is not None:
+                parts += (f" (serial {100 * r['serial_pred']:+.1f}%, "
+                          f"{r['overlapped_loops']} loops overlapped)")
             lines.append(
                 f"{head} {r['status']} | {sim / MIB:.0f} | {meas / MIB:.0f} | "
                 f"{meas / r['budget']:.2f}{'' if within else ' **over**'} | "
@@ -323,10 +336,16 @@ def table(results) -> str:
                 f"{100 * r['predicted_overhead']:.1f}% | {parts} | "
                 f"{100 * r['measured_overhead']:.1f}% | "
                 f"{dpts:+.1f}{'' if abs(dpts) <= 10 else ' **miss**'} | "
-                f"{100 * r['static_overhead']:+.1f}% | {100 * r['recompute_overhead']:.1f}% | "
+                f"{100 * r['static_overhead']:+.1f}%{_serial(r)} | "
+                f"{100 * r['recompute_overhead']:.1f}% | "
                 f"{'n/a' if share is None else f'{100 * share:.1f}%'} | "
                 f"{'n/a' if grad is None else f'{grad:.1e}'} | {r['attempts']} |")
     return "\n".join(lines)
+
+
+def _serial(r):
+    s = r.get("serial_overhead")
+    return "" if s is None else f" (serial {100 * s:+.1f}%)"
 
 
 def _mib(b):
@@ -384,7 +403,11 @@ NOTES = """\
   plain step against the graph with no recomputation in topological order, chained as the
   rewritten step is, a few paired rounds); **recompute** is plan cost / sum of node costs - 1
   with profiled costs (what the solver minimizes). The three steps run in a shuffled order in
-  each of `--runs` rounds, after `optimize` returned. **overhead meas**: the median over rounds
+  each of `--runs` rounds, after `optimize` returned. Where independent loops overlap in the
+  static order (a Bidirectional RNN's), `optimize` also times the order with every node after
+  the one before (**serial**), and the prediction is that order's price, the plan's cost over
+  it, less what the plan's runs of overlapped loops save (`tf_remat.api`'s report); **static
+  meas** then gives that order's measured price too. **overhead meas**: the median over rounds
   of the rewritten step's time over the plain step's in the same round, - 1 (a slow stretch of
   the machine's load scales a round's steps alike; the ratio of the two medians, this
   column's figure until now and **overhead from the medians** in the second table, moves when it falls on more rounds of
