@@ -292,7 +292,11 @@ class OptimizedStep:
             cost stood in). ``predicted_overhead`` is the recomputation's
             share of the step (plan cost / sum of node costs - 1); running the plan in a static
             order costs more besides, since independent ops no longer run side by side (-16% to
-            +34% on the zoo models on a 2-core CPU, ``benchmarks/results/rewrite.md``).
+            +34% on the zoo models on a 2-core CPU, ``benchmarks/results/rewrite.md``). With
+            ``time_order``, ``static_order_overhead`` is that price as timed, and
+            ``predicted_overhead`` counts both; where loops overlap in the static order, also
+            ``serial_order_overhead`` (the price with every node ordered) and
+            ``overlapped_loops`` (how many of the plan's loops run beside the one before).
     """
 
     def __init__(self, model, budget, input_spec, label_spec, opts):
