@@ -117,6 +117,18 @@ def test_explain_lists_recomputed_nodes():
     assert "0 (f0): computed 2x" in text
 
 
+def recomputing_sequence(g):
+    """``g``'s order with a few early nodes recomputed late, before the last reader that
+    follows them."""
+    seq = list(g.order)
+    for v in list(g.order)[: g.n // 3]:
+        later = [s for s in g.succs[v] if seq.index(s) > seq.index(v) + 2]
+        if later and g.recomputable[v] and all(u in seq[: seq.index(later[-1])]
+                                               for u in g.preds[v]):
+            seq.insert(seq.index(later[-1]), v)
+    return seq
+
+
 def test_concurrent_groups_by_hand():
     """A diamond 0 -> {1, 2} -> 3: memory 10, 20, 30, 5; the plan peaks at 60 (0, 1 and 2
     resident). 0, 1 and 2 may run at once (at most 60); 3 may not join them (65), and starts
@@ -181,12 +193,7 @@ def test_adjoin_keeps_every_plan_valid():
     moved = 0
     for seed in range(6):
         g = random_dag(24, seed=seed)
-        seq = list(g.order)
-        for v in list(g.order)[: g.n // 3]:
-            later = [s for s in g.succs[v] if seq.index(s) > seq.index(v) + 2]
-            if later and g.recomputable[v] and all(u in seq[: seq.index(later[-1])]
-                                                   for u in g.preds[v]):
-                seq.insert(seq.index(later[-1]), v)
+        seq = recomputing_sequence(g)
         loops = set(random.Random(seed).sample(range(g.n), 10))
         before = simulate(g, steps_from_sequence(g, seq))
         for cap in (before.peak_memory, 10**9):
@@ -204,13 +211,7 @@ def test_concurrent_groups_never_pass_the_peak(seed):
     started, none freed: the most any order or overlap can hold) stays within the plan's peak;
     no node is in a run twice; runs are numbered in order."""
     g = random_dag(14, seed=seed)
-    seq = list(g.order)
-    # recompute a few forward nodes late, before the last reader that follows
-    for v in list(g.order)[: g.n // 3]:
-        later = [s for s in g.succs[v] if seq.index(s) > seq.index(v) + 2]
-        if later and g.recomputable[v] and all(u in seq[: seq.index(later[-1])]
-                                               for u in g.preds[v]):
-            seq.insert(seq.index(later[-1]), v)
+    seq = recomputing_sequence(g)
     steps = steps_from_sequence(g, seq)
     sim = simulate(g, steps)
     runs = concurrent_groups(g, steps)
