@@ -669,8 +669,11 @@ def test_independent_loops_run_side_by_side_under_the_node_chain():
     assert at[1] == at[0] + 1 and at[3] == at[2] + 1, at
     assert step.plan.info["adjoined_loops"] > 0
     assert step.info["runs"] == len(seq) - 2
-    # neither loop of a pair waits for the other, through data or the chain
-    runs = concurrent_groups(g, step.plan.steps, transient=ex.op_map.transient, among=loops)
+    # neither loop of a pair waits for the other, through data or the chain (the graph the
+    # step was built from, with its runs)
+    runs = step.info["run_index"]
+    assert runs == concurrent_groups(g, step.plan.steps, 2**62, transient=ex.op_map.transient,
+                                     among=loops)
     gd = build_graph_def(ex.traced, ex.op_map, seq, chain="node", runs=runs)[0]
     inputs = {nd.name: [i.lstrip("^").split(":")[0] for i in nd.input] for nd in gd.node}
 

@@ -397,7 +397,6 @@ class OptimizedStep:
             s = b.order["static_order_overhead"]
             rep["static_order_overhead"] = s
             rep["predicted_overhead"] = (1 + s) * (1 + plan.overhead) - 1
-            static = b.order.get("static_step")
             if "serial_order_overhead" in b.order:
                 # loops overlap in the static order, and in this plan where its memory allows
                 # (at tight budgets, nowhere: bilstm's step at 70% took +77% where the static
@@ -405,7 +404,7 @@ class OptimizedStep:
                 # The node costs are the serial order's (they sum to its time); a run of loops
                 # would cost its dearest loop (run_cost), and saves the share of that which the
                 # static order's two timings saved (0.7 on 2 cores)
-                ss = b.order["serial_order_overhead"]
+                ss, static = b.order["serial_order_overhead"], b.order["static_step"]
                 rep["serial_order_overhead"] = ss
                 index = b.step.info.get("run_index")
                 rep["overlapped_loops"] = 0 if index is None else len(index) - len(set(index))

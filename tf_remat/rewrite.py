@@ -168,9 +168,7 @@ def adjoin_loops(traced, graph, op_map, plan: Plan, cap: int | None = None) -> P
     seq = plan.sequence
     # within what the plan was solved for (its peak may rise to it): at 90% of bilstm's step,
     # a plan's forward loops stayed apart at its own peak
-    if cap is None:
-        cap = max(plan.peak_memory, plan.budget)
-    new = adjoin(graph, seq, loops, cap=cap)
+    new = adjoin(graph, seq, loops, cap=_loops_cap(plan) if cap is None else cap)
     if new == tuple(seq):
         return plan
     steps = steps_from_sequence(graph, new)
@@ -178,6 +176,11 @@ def adjoin_loops(traced, graph, op_map, plan: Plan, cap: int | None = None) -> P
     moved = sum(a != b for a, b in zip(seq, new))
     return dataclasses.replace(plan, steps=steps, peak_memory=sim.peak_memory, cost=sim.cost,
                                info={**plan.info, "adjoined_loops": moved})
+
+
+def _loops_cap(plan: Plan) -> int:
+    """What loops moved or run side by side may hold: what the plan was solved for."""
+    return max(plan.peak_memory, plan.budget)
 
 
 def rewrite(traced, graph, op_map, plan: Plan, *, chain: str = "op",
@@ -224,7 +227,7 @@ def rewrite(traced, graph, op_map, plan: Plan, *, chain: str = "op",
             # within what the plan was solved for, not its peak: a backward pair of loops sits
             # at the peak, where the bound (both loops' outputs and scratch, nothing freed) is
             # over the peak by what the solver's order frees between them
-            runs = concurrent_groups(graph, plan.steps, max(plan.peak_memory, plan.budget),
+            runs = concurrent_groups(graph, plan.steps, _loops_cap(plan),
                                      transient=op_map.transient, among=loops)
             if len(set(runs)) == len(runs):
                 runs = None
