@@ -4,7 +4,7 @@ import pytest
 from tf_remat.errors import PlanError
 from tf_remat.generators import linear_graph, random_dag
 from tf_remat.graph import Graph
-from tf_remat.plan import (Plan, Schedule, adjoin, concurrent_groups, run_cost, explain, make_plan, minimal_r,
+from tf_remat.plan import (Plan, Schedule, adjoin, concurrent_groups, defer, run_cost, explain, make_plan, minimal_r,
                            plan_from_rs, sequence_from_rs, simulate, steps_from_sequence)
 
 CHAIN = Graph(cost=(1, 2, 3, 4), memory=(10, 20, 30, 40), edges=((0, 1), (1, 2), (2, 3)))
@@ -183,6 +183,30 @@ def test_adjoin_leaves_a_loop_that_reads_the_other():
     assert adjoin(g2, (0, 1, 2, 3), {1, 2}, cap=100) == (0, 1, 2, 3)
 
 
+def test_defer_moves_an_update_after_the_reader_of_its_old_value():
+    """0 a weight's read, 1 an activation, 2 the weight's gradient, 3 its update (after[3] = {4}:
+    4 reads the weight's value from before the update). In the order 0 1 2 3 4 the update moves
+    after 4 where the cap allows: the gradient (4 bytes) is then resident while 4 computes, and
+    the peak goes from 7 to 9. Not when 4 reads the update, nor for a node computed twice."""
+    g = Graph(cost=(1, 2, 3, 4, 5), memory=(1, 2, 4, 0, 3),
+              edges=((0, 1), (0, 2), (2, 3), (1, 4)))
+    seq = (0, 1, 2, 3, 4)
+    before = simulate(g, steps_from_sequence(g, seq))
+    assert before.peak_memory == 7
+    assert defer(g, seq, {3: {4}}) == seq
+    new = defer(g, seq, {3: {4}}, cap=9)
+    assert new == (0, 1, 2, 4, 3)
+    after = simulate(g, steps_from_sequence(g, new))
+    assert after.peak_memory == 9 and after.cost == before.cost
+    assert defer(g, seq, {3: {4, 3}, 4: set()}, cap=9) == new  # itself and no readers: ignored
+    assert defer(g, new, {3: {4}}, cap=100) == new  # already after its reader
+    g2 = Graph(cost=(1,) * 5, memory=(1, 2, 4, 0, 3),
+               edges=((0, 1), (0, 2), (2, 3), (1, 4), (3, 4)))
+    assert defer(g2, seq, {3: {4}}, cap=100) == seq  # 4 reads 3
+    twice = (0, 1, 2, 3, 1, 4)
+    assert defer(g, twice, {1: {2}}, cap=100) == twice
+
+
 def test_adjoin_keeps_every_plan_valid():
     """On random graphs with recomputation, whatever nodes are called loops: the new order is a
     valid plan with the same computes and cost, within the cap. (Every node of these graphs
@@ -203,6 +227,36 @@ def test_adjoin_keeps_every_plan_valid():
             assert after.peak_memory <= cap
             moved += tuple(new) != tuple(seq)
     assert moved >= 6
+
+
+def test_defer_keeps_every_plan_valid():
+    """On random graphs with recomputation and random readers: the new order is a valid plan
+    with the same computes and cost, within the cap, and a node it moved has none of its
+    readers after it."""
+    import random
+
+    def late(order, u):  # a reader of u's after it
+        return any(order.index(u) < p for p, v in enumerate(order) if v in after[u] - {u})
+
+    moved = 0
+    for seed in range(8):
+        rng = random.Random(seed)
+        n = 24  # sparse, unlike random_dag's, whose every node reads the one before it
+        edges = [(i, j) for j in range(1, n) for i in rng.sample(range(j), min(j, 2))]
+        g = Graph(cost=[rng.uniform(1, 5) for _ in range(n)],
+                  memory=[rng.randint(1, 9) for _ in range(n)], edges=edges)
+        seq = recomputing_sequence(g)
+        after = {u: set(rng.sample(range(n), 3)) for u in rng.sample(range(n), 8)}
+        before = simulate(g, steps_from_sequence(g, seq))
+        for cap in (before.peak_memory, 10**9):
+            new = defer(g, seq, after, cap=cap)
+            sim = simulate(g, steps_from_sequence(g, new))  # raises on an invalid plan
+            assert sorted(new) == sorted(seq) and sim.cost == pytest.approx(before.cost)
+            assert sim.peak_memory <= cap
+            for u in after:
+                if seq.count(u) == 1 and late(seq, u) and not late(new, u):
+                    moved += 1
+    assert moved >= 4, moved
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -297,6 +297,10 @@ class OptimizedStep:
             ``predicted_overhead`` counts both; where loops overlap in the static order, also
             ``serial_order_overhead`` (the price with every node ordered) and
             ``overlapped_loops`` (how many of the plan's loops run beside the one before).
+            ``deferred_updates``: how many variable updates the solver had placed before a
+            reader of the variable's old value were moved after it
+            (:func:`tf_remat.rewrite.defer_updates`); ``updates_copied_on_write``: how many
+            could not move within the budget (each copies its variable while that reader waits).
     """
 
     def __init__(self, model, budget, input_spec, label_spec, opts):
@@ -433,6 +437,9 @@ class OptimizedStep:
                     "extract_seconds": b.seconds.get("extract"),
                     "rewrite_seconds": b.seconds.get("rewrite"),
                     "lower_bound_bytes": graph.budget_lower_bound})
+        for key in ("deferred_updates", "updates_copied_on_write"):
+            if plan.info.get(key):
+                rep[key] = plan.info[key]
         if b.attempts and b.attempts[0].get("given"):
             # what the given plan measured here, whichever plan then ran
             rep["given_plan_measured_bytes"] = b.attempts[0]["measured"]
@@ -695,7 +702,7 @@ class OptimizedStep:
         from tf_remat.extract import (current_device_kind, extract, memory_stats_missing,
                                       overrides_train_step)
         from tf_remat.profile import synthetic_batch
-        from tf_remat.rewrite import adjoin_loops, rewrite
+        from tf_remat.rewrite import adjoin_loops, defer_updates, rewrite
 
         o = self._opts
         verbose = o["verbose"]
@@ -824,6 +831,9 @@ class OptimizedStep:
                 # what a later optimize(plan=...) checks the plan against
                 plan = dataclasses.replace(plan, info={**plan.info, "plan_source": "solved",
                                                        "graph_digest": graph.structure_digest})
+                if plan.within_budget:
+                    # no update before a reader of the old value: a copy no node counts
+                    plan = defer_updates(ex.traced, graph, ex.op_map, plan)
                 if o["chain"] == "node" and plan.within_budget:
                     # independent loops next to each other, for the node chain to overlap
                     plan = adjoin_loops(ex.traced, graph, ex.op_map, plan)

@@ -48,6 +48,7 @@ __all__ = [
     "load_plan",
     "concurrent_groups",
     "adjoin",
+    "defer",
     "run_cost",
 ]
 
@@ -505,6 +506,48 @@ def adjoin(graph: Graph, sequence: Sequence[int], nodes, cap: int | None = None)
         window = range(i + 1, j)
         new = (seq[:i] + [seq[p] for p in window if p in need] + [seq[i], w]
                + [seq[p] for p in window if p not in need] + seq[j + 1:])
+        try:
+            peak = simulate(graph, steps_from_sequence(graph, new)).peak_memory
+        except PlanError:
+            continue
+        if peak <= cap:
+            seq = new
+    return tuple(seq)
+
+
+def defer(graph: Graph, sequence: Sequence[int], after, cap: int | None = None) -> tuple:
+    """Move the compute of each node ``u`` of ``after`` (a mapping: node -> nodes) to just after
+    the last compute of ``after[u]`` that comes later, where nothing between reads ``u``'s copy
+    and the new order's simulated peak stays within ``cap`` (default: the sequence's own peak).
+    Only nodes computed once move; the cost is unchanged.
+
+    What it is for: a variable's update placed before a node that reads the variable's value
+    from before the update (the forward read a backward MatMul holds). TensorFlow then copies
+    the variable on write and keeps both buffers until that reader runs, bytes no graph node
+    carries, so the simulated peak would be short by them. After the last reader, the update
+    finds the buffer unshared. (:func:`tf_remat.rewrite.defer_updates` builds ``after`` from
+    a traced step.)
+
+    Returns:
+        the new compute sequence (``sequence`` itself where nothing moved).
+    """
+    seq = [int(v) for v in sequence]
+    todo = {int(u): frozenset(int(r) for r in rs) - {int(u)} for u, rs in after.items()}
+    todo = {u: rs for u, rs in todo.items() if rs and seq.count(u) == 1}
+    if not todo:
+        return tuple(seq)
+    if cap is None:
+        cap = simulate(graph, steps_from_sequence(graph, seq)).peak_memory
+    succs = graph.succs
+    for u, readers in sorted(todo.items(), key=lambda kv: seq.index(kv[0])):
+        i = seq.index(u)
+        j = max((p for p in range(i + 1, len(seq)) if seq[p] in readers), default=None)
+        if j is None:
+            continue
+        # a compute in between that reads u's copy would lose it
+        if any(seq[p] in succs[u] for p in range(i + 1, j + 1)):
+            continue
+        new = seq[:i] + seq[i + 1:j + 1] + [u] + seq[j + 1:]
         try:
             peak = simulate(graph, steps_from_sequence(graph, new)).peak_memory
         except PlanError:

@@ -109,6 +109,9 @@ def run_case(name, batch, size, fractions, strategy, time_limit, runs, trace=Tru
         # of this plan's loops share a run with the one before
         row["serial_pred"] = rep.get("serial_order_overhead")
         row["overlapped_loops"] = rep.get("overlapped_loops")
+        # updates the solver placed before a reader of the old weight, moved after it / left
+        row["deferred_updates"] = rep.get("deferred_updates", 0)
+        row["updates_copied_on_write"] = rep.get("updates_copied_on_write", 0)
         state.restore()
         runs_meas = [measure_step_peak(step, x, y, variables=ref.variables) for _ in range(3)]
         peaks = [m["step_peak_bytes"] for m in runs_meas]
@@ -339,8 +342,17 @@ def table(results) -> str:
                 f"{100 * r['static_overhead']:+.1f}%{_serial(r)} | "
                 f"{100 * r['recompute_overhead']:.1f}% | "
                 f"{'n/a' if share is None else f'{100 * share:.1f}%'} | "
-                f"{'n/a' if grad is None else f'{grad:.1e}'} | {r['attempts']} |")
+                f"{'n/a' if grad is None else f'{grad:.1e}'} | {r['attempts']}"
+                f"{_updates(r)} |")
     return "\n".join(lines)
+
+
+def _updates(r) -> str:
+    """What the attempts column adds on the kept plan's updates (optimize's defer_updates)."""
+    moved, left = r.get("deferred_updates"), r.get("updates_copied_on_write")
+    parts = [f"{moved} updates deferred"] if moved else []
+    parts += [f"{left} copied on write"] if left else []
+    return f" ({', '.join(parts)})" if parts else ""
 
 
 def _serial(r):
@@ -387,7 +399,9 @@ NOTES = """\
   NumPy between them). `optimize` verifies each plan in several allocator layouts (held
   ballasts and fragmented memory, `tf_remat.api.verification_layouts`) and re-solves with a
   lower budget while the worst is over the budget less a margin (**attempts** counts the
-  solves; "Run conditions" below says which layouts and margin this run had).
+  solves, and says how many variable updates the kept plan had before a reader of the old
+  weight that `optimize` deferred past it, or left, copied on write; "Run conditions" below
+  says which layouts and margin this run had).
 * **requested** / **held**: one more run of the rewritten step under TensorFlow's profiler
   (`tf_remat.api.step_allocations`), plus the variables and the batch: the peak of the bytes
   its kernels asked for (what the simulator models; **req vs sim** is the simulator's own
