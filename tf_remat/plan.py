@@ -506,11 +506,7 @@ def adjoin(graph: Graph, sequence: Sequence[int], nodes, cap: int | None = None)
         window = range(i + 1, j)
         new = (seq[:i] + [seq[p] for p in window if p in need] + [seq[i], w]
                + [seq[p] for p in window if p not in need] + seq[j + 1:])
-        try:
-            peak = simulate(graph, steps_from_sequence(graph, new)).peak_memory
-        except PlanError:
-            continue
-        if peak <= cap:
+        if _fits(graph, new, cap):
             seq = new
     return tuple(seq)
 
@@ -548,13 +544,17 @@ def defer(graph: Graph, sequence: Sequence[int], after, cap: int | None = None) 
         if any(seq[p] in succs[u] for p in range(i + 1, j + 1)):
             continue
         new = seq[:i] + seq[i + 1:j + 1] + [u] + seq[j + 1:]
-        try:
-            peak = simulate(graph, steps_from_sequence(graph, new)).peak_memory
-        except PlanError:
-            continue
-        if peak <= cap:
+        if _fits(graph, new, cap):
             seq = new
     return tuple(seq)
+
+
+def _fits(graph: Graph, sequence, cap: int) -> bool:
+    """Whether ``sequence`` is a valid plan whose simulated peak stays within ``cap``."""
+    try:
+        return simulate(graph, steps_from_sequence(graph, sequence)).peak_memory <= cap
+    except PlanError:
+        return False
 
 
 def run_cost(graph: Graph, steps, runs=None) -> float:
