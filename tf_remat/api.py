@@ -78,12 +78,9 @@ _MEASURE_FRAGMENTS = (0.31, 0.07, 0.45, 0.12, 0.26, 0.05, 0.38, 0.19, 0.09, 0.48
 #: timed rounds of the plain step against the static order (``time_order``), each round both
 #: steps in turn; fewer when they pass _ORDER_SECONDS (ResNet50 at batch 8 on 2 CPU cores takes
 #: 1.5 s a step). With 5 rounds, three ``optimize`` calls on the transformer in one process
-#: timed the same static order at +7.2%, +26.6% and +10.9% (the benchmark, +14.0%). With 15,
-#: bn_cnn's (0.1 s a step) came out at +1.1% to +10.2% in one process, and blocks of 15 of 60
-#: rounds at +1.8% to +9.4% (a round's ratio varies by 6-8 points); the medians of all 60,
-#: three times over, were +3.0%, +3.1% and +3.2%. So a small step, whose rounds are cheap,
-#: gets up to 60
-_ORDER_ROUNDS = 60
+#: timed the same static order at +7.2%, +26.6% and +10.9% (the benchmark, +14.0%), so a small
+#: step, whose rounds are cheap, gets up to 15
+_ORDER_ROUNDS = 15
 _ORDER_MIN_ROUNDS = 3
 _ORDER_WARMUP = 3
 _ORDER_SECONDS = 20.0
