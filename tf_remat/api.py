@@ -82,7 +82,7 @@ _MEASURE_FRAGMENTS = (0.31, 0.07, 0.45, 0.12, 0.26, 0.05, 0.38, 0.19, 0.09, 0.48
 #: step, whose rounds are cheap, gets up to 15. 60 were tried (rewrite.md): they steady the
 #: median within one stretch of time (bn_cnn's blocks of 15 ranged +1.8% to +9.4%, medians of
 #: 60 +3.0% to +3.2%), but the price moves between stretches: the transformer's static order
-#: ran +23-26% over the plain step for minutes in one process and +9-10% in others, and 60
+#: ran +23-26% over the plain step for most of a minute in one process, +9-10% in others; 60
 #: rounds in three optimize calls said +22% where the benchmark's rounds after them saw +10%
 _ORDER_ROUNDS = 15
 _ORDER_MIN_ROUNDS = 3
