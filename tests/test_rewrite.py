@@ -615,23 +615,24 @@ def test_an_update_before_a_reader_of_the_old_weight_is_deferred_past_it():
     seq = list(updates_first_plan(g).sequence)
     r = max(p for p, v in enumerate(seq) if v in after[u] and g.backward[v])
     i = seq.index(u)
-    assert i > r
-    need, stack = {i}, [i]
-    while stack:
-        k = stack.pop()
-        for p in g.preds[seq[k]]:
-            q = max(q for q in range(k) if seq[q] == p)  # the copy it reads
-            if q > r and q not in need:
-                need.add(q)
-                stack.append(q)
-    seq = seq[:r] + [seq[k] for k in sorted(need)] + [v for k, v in enumerate(seq[r:], r)
-                                                       if k not in need]
+    if i > r:  # not early yet: hoist it before r with what it needs from between
+        need, stack = {i}, [i]
+        while stack:
+            k = stack.pop()
+            for p in g.preds[seq[k]]:
+                q = max(q for q in range(k) if seq[q] == p)  # the copy it reads
+                if q > r and q not in need:
+                    need.add(q)
+                    stack.append(q)
+        seq = seq[:r] + [seq[k] for k in sorted(need)] + [v for k, v in enumerate(seq[r:], r)
+                                                           if k not in need]
     first = make_plan(g, Schedule(sequence=seq), 2**62, strategy="update-first")
     assert u in _early_updates(first.sequence, after)
     deferred = defer_updates(ex.traced, g, ex.op_map, first)
     assert deferred.info["deferred_updates"] >= 1
     assert not _early_updates(deferred.sequence, after)
-    assert deferred.peak_memory <= first.peak_memory
+    # the simulation may rise (the gradient waits for the update), by far less than the copy
+    assert deferred.peak_memory <= first.peak_memory + 2**20
     assert sorted(deferred.sequence) == sorted(first.sequence)
     requested = {}
     for name, plan in (("first", first), ("deferred", deferred)):
@@ -641,6 +642,8 @@ def test_an_update_before_a_reader_of_the_old_weight_is_deferred_past_it():
         requested[name] = prof["requested_peak_bytes"] + g.fixed_memory
     kernel = 2048 * 2048 * 4
     assert requested["first"] >= requested["deferred"] + 0.9 * kernel, requested
+    # the copy is what the simulation of the first plan misses; the deferred one has none
+    assert requested["first"] >= first.peak_memory + 0.9 * kernel, (requested, first.peak_memory)
     assert requested["deferred"] <= 1.03 * deferred.peak_memory, (requested, deferred.peak_memory)
 
 

@@ -2658,7 +2658,12 @@ class _Analysis:
                 if r is None or not node[i]:
                     continue
                 if self.readers.get(r) == {j} and _same_size(ops[r[0]].outputs[r[1]], out):
-                    if not stateful[find(i)] and phase[find(i)] == self.phase[j] and \
+                    # also a gradient into the optimizer's first product of it (SGD's
+                    # lr * grad), which TensorFlow computes in the gradient's buffer: apart,
+                    # the two nodes counted a wide layer's 16 MiB kernel gradient twice
+                    same = phase[find(i)] == self.phase[j] or \
+                        (phase[find(i)] == 1 and self.phase[j] == 2)
+                    if not stateful[find(i)] and same and \
                             not pinned[find(i)] and not pinned[find(j)]:
                         if try_merge(i, j):
                             break
