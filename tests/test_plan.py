@@ -4,8 +4,9 @@ import pytest
 from tf_remat.errors import PlanError
 from tf_remat.generators import linear_graph, random_dag
 from tf_remat.graph import Graph
-from tf_remat.plan import (Plan, Schedule, adjoin, concurrent_groups, defer, run_cost, explain, make_plan, minimal_r,
-                           plan_from_rs, sequence_from_rs, simulate, steps_from_sequence)
+from tf_remat.plan import (Plan, Schedule, adjoin, concurrent_groups, defer, explain, make_plan,
+                           minimal_r, plan_from_rs, run_cost, sequence_from_rs, simulate,
+                           steps_from_sequence)
 
 CHAIN = Graph(cost=(1, 2, 3, 4), memory=(10, 20, 30, 40), edges=((0, 1), (1, 2), (2, 3)))
 

@@ -47,11 +47,12 @@ Correctness (see ``tests/test_rewrite.py``):
   original automatic control dependencies order before the variable's update; a read value that
   is still referenced when its variable is updated is kept (resource variables copy on write),
   so no copy reads an updated weight (the copy costs memory no node carries, so ``optimize``
-  moves such an update after the reader where it can: :func:`defer_updates`). A read inside a node (ordered after an update: a GAN's
-  second pass through the updated discriminator, a seed generator's second draw) is copied with
-  its node, unless the step writes its variable again later (``_Analysis._stale_rereads`` in
-  :mod:`tf_remat.extract`): then a small read (a seed) is pinned (``OpMap.pinned_ops``: every
-  copy reads the first read's value) and a node with a large one is not recomputable;
+  moves such an update after the reader where it can: :func:`defer_updates`). A read inside a
+  node (ordered after an update: a GAN's second pass through the updated discriminator, a seed
+  generator's second draw) is copied with its node, unless the step writes its variable again
+  later (``_Analysis._stale_rereads`` in :mod:`tf_remat.extract`): then a small read (a seed)
+  is pinned (``OpMap.pinned_ops``: every copy reads the first read's value) and a node with a
+  large one is not recomputable;
 * ops in non-recomputable nodes (optimizer and BatchNorm statistics updates, RNG state) are
   emitted once: :func:`tf_remat.plan.simulate` refuses a plan that computes them twice;
 * stateless random ops (Keras dropout) read their seed from a fixed or a pinned read of the
@@ -170,7 +171,7 @@ def adjoin_loops(traced, graph, op_map, plan: Plan, cap: int | None = None) -> P
     seq = plan.sequence
     # within what the plan was solved for (its peak may rise to it): at 90% of bilstm's step,
     # a plan's forward loops stayed apart at its own peak
-    new = adjoin(graph, seq, loops, cap=_loops_cap(plan) if cap is None else cap)
+    new = adjoin(graph, seq, loops, cap=_plan_cap(plan) if cap is None else cap)
     if new == tuple(seq):
         return plan
     steps = steps_from_sequence(graph, new)
@@ -180,8 +181,9 @@ def adjoin_loops(traced, graph, op_map, plan: Plan, cap: int | None = None) -> P
                                info={**plan.info, "adjoined_loops": moved})
 
 
-def _loops_cap(plan: Plan) -> int:
-    """What loops moved or run side by side may hold: what the plan was solved for."""
+def _plan_cap(plan: Plan) -> int:
+    """What a plan's computes moved after the solve (loops side by side, deferred updates) may
+    hold: what the plan was solved for."""
     return max(plan.peak_memory, plan.budget)
 
 
@@ -240,7 +242,7 @@ def defer_updates(traced, graph, op_map, plan: Plan, cap: int | None = None) -> 
     early = _early_updates(seq, after)
     if not early:
         return plan
-    new = defer(graph, seq, after, cap=_loops_cap(plan) if cap is None else cap)
+    new = defer(graph, seq, after, cap=_plan_cap(plan) if cap is None else cap)
     left = _early_updates(new, after)
     info = {**plan.info, "deferred_updates": len(early) - len(left)}
     if left:
@@ -305,7 +307,7 @@ def rewrite(traced, graph, op_map, plan: Plan, *, chain: str = "op",
             # within what the plan was solved for, not its peak: a backward pair of loops sits
             # at the peak, where the bound (both loops' outputs and scratch, nothing freed) is
             # over the peak by what the solver's order frees between them
-            runs = concurrent_groups(graph, plan.steps, _loops_cap(plan),
+            runs = concurrent_groups(graph, plan.steps, _plan_cap(plan),
                                      transient=op_map.transient, among=loops)
             if len(set(runs)) == len(runs):
                 runs = None
