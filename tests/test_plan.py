@@ -220,14 +220,23 @@ def test_adjoin_keeps_every_plan_valid():
         g = random_dag(24, seed=seed)
         seq = recomputing_sequence(g)
         loops = set(random.Random(seed).sample(range(g.n), 10))
-        before = simulate(g, steps_from_sequence(g, seq))
-        for cap in (before.peak_memory, 10**9):
-            new = adjoin(g, seq, loops, cap=cap)
-            after = simulate(g, steps_from_sequence(g, new))  # raises on an invalid plan
-            assert sorted(new) == sorted(seq) and after.cost == pytest.approx(before.cost)
-            assert after.peak_memory <= cap
+        for new in moved_orders(g, seq, lambda cap: adjoin(g, seq, loops, cap=cap)):
             moved += tuple(new) != tuple(seq)
     assert moved >= 6
+
+
+def moved_orders(g, seq, move):
+    """``move(cap)`` at the sequence's own peak and with no cap: each a valid plan with the same
+    computes and cost, within the cap. Returns the two new sequences."""
+    before = simulate(g, steps_from_sequence(g, seq))
+    out = []
+    for cap in (before.peak_memory, 10**9):
+        new = move(cap)
+        after = simulate(g, steps_from_sequence(g, new))  # raises on an invalid plan
+        assert sorted(new) == sorted(seq) and after.cost == pytest.approx(before.cost)
+        assert after.peak_memory <= cap
+        out.append(new)
+    return out
 
 
 def test_defer_keeps_every_plan_valid():
@@ -248,12 +257,7 @@ def test_defer_keeps_every_plan_valid():
                   memory=[rng.randint(1, 9) for _ in range(n)], edges=edges)
         seq = recomputing_sequence(g)
         after = {u: set(rng.sample(range(n), 3)) for u in rng.sample(range(n), 8)}
-        before = simulate(g, steps_from_sequence(g, seq))
-        for cap in (before.peak_memory, 10**9):
-            new = defer(g, seq, after, cap=cap)
-            sim = simulate(g, steps_from_sequence(g, new))  # raises on an invalid plan
-            assert sorted(new) == sorted(seq) and sim.cost == pytest.approx(before.cost)
-            assert sim.peak_memory <= cap
+        for new in moved_orders(g, seq, lambda cap: defer(g, seq, after, cap=cap)):
             for u in after:
                 if seq.count(u) == 1 and late(seq, u) and not late(new, u):
                     moved += 1
