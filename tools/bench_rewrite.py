@@ -33,19 +33,10 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-#: (model, batch, input size): the CPU-sized cases of tools/bench_extract.py
-DEFAULT_CASES = [
-    ("bn_cnn", 64, None),
-    ("transformer", 8, None),
-    ("mobilenet", 8, None),
-    ("resnet50", 8, None),
-    ("vgg16", 4, None),
-    ("vgg19", 4, None),
-    ("unet", 2, None),
-    ("fcn8", 2, None),
-    ("segnet", 2, None),
-]
+from bench_extract import DEFAULT_CASES  # noqa: E402 (the CPU-sized cases)
+
 FRACTIONS = (0.9, 0.7, 0.5)
 MIB = 2**20
 
