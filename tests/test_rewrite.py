@@ -638,8 +638,13 @@ def test_an_update_before_a_reader_of_the_old_weight_is_deferred_past_it():
     for name, plan in (("first", first), ("deferred", deferred)):
         step = rewrite(ex.traced, g, ex.op_map, plan, chain="node")
         assert_same_step(ex, step, x, y)
-        prof = step_allocations(step, x, y, variables=ex.traced.variables)
-        requested[name] = prof["requested_peak_bytes"] + g.fixed_memory
+        # the fewest of three, each after a pause: a call back to back with the one before
+        # may meet a reference that call still holds, and copy the kernel whatever the order
+        # (step_allocations' settle); the first plan's copy comes from its order, every time
+        requested[name] = min(
+            step_allocations(step, x, y, variables=ex.traced.variables,
+                             settle=0.5)["requested_peak_bytes"] for _ in range(3)
+        ) + g.fixed_memory
     kernel = 2048 * 2048 * 4
     assert requested["first"] >= requested["deferred"] + 0.9 * kernel, requested
     # the copy is what the simulation of the first plan misses; the deferred one has none
