@@ -1210,12 +1210,12 @@ def step_allocations(step, x, y, *, variables=(), settle: float = 0.0) -> dict:
     """One run of ``step(x, y)`` under TensorFlow's profiler: what its allocations asked for
     and what the allocator gave them. The variables are restored after.
 
-    ``settle``: seconds to wait between the warm-up call and the profiled one. A call that
-    has returned can still hold a reference to a variable's buffer for a few milliseconds (to
-    tens of them on a loaded machine), and an update in the next call that meets it copies the
-    variable (copy on write): a two-layer MLP's step called back to back copied its 16 MiB
-    kernel in 4 to 6 calls of 16, and in 1 of 16 with 0.2 s between calls (a benchmark
-    running beside it). A pause lets the profiled call request only what the step holds.
+    ``settle``: seconds to wait between the warm-up call and the profiled one. Called right
+    after another call, a step may copy a variable it updates after the variable's last
+    reader (copy on write: some reference in TensorFlow's runtime still holds the old buffer):
+    a two-layer MLP's step called back to back copied its 16 MiB kernel in 4 to 6 calls of 16,
+    with 0.2 s between calls in 1 of 16 (a benchmark running beside it). A pause lets the
+    profiled call request what the step itself holds.
 
     Returns a dict: ``requested_peak_bytes``, the peak over the step of the bytes its kernels
     requested and still hold (the quantity :func:`tf_remat.plan.simulate` models);
