@@ -638,9 +638,9 @@ def test_an_update_before_a_reader_of_the_old_weight_is_deferred_past_it():
     for name, plan in (("first", first), ("deferred", deferred)):
         step = rewrite(ex.traced, g, ex.op_map, plan, chain="node")
         assert_same_step(ex, step, x, y)
-        # the fewest of three, each after a pause: a call back to back with the one before
-        # may meet a reference that call still holds, and copy the kernel whatever the order
-        # (step_allocations' settle); the first plan's copy comes from its order, every time
+        # the fewest of three, each after a pause: a call right after another may copy the
+        # kernel whatever the order (step_allocations' settle); the first plan's copy comes
+        # from its order, every time
         requested[name] = min(
             step_allocations(step, x, y, variables=ex.traced.variables,
                              settle=0.5)["requested_peak_bytes"] for _ in range(3)
