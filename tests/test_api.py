@@ -180,6 +180,8 @@ def test_optimized_step_trains_like_keras(name, request):
     measured = step.measure(x, y)["step_peak_bytes"]
     assert measured <= 1.05 * budget
     assert measured < 0.95 * base
+    # with no batch given, a synthetic one of the spec's shapes
+    assert 0.5 * measured < step.measure()["step_peak_bytes"] <= 1.05 * budget
 
 
 def test_gradients_match_the_plain_gradients(cnn_step):
@@ -1190,6 +1192,8 @@ def test_sample_and_class_weights_train_as_keras_does(declared):
     scale = max(float(np.abs(a).max()) for a in g_ref)
     for a, b in zip(g_ref, g):
         assert close(a.numpy(), b.numpy(), scale), np.abs(a.numpy() - b.numpy()).max()
+    # a synthetic batch for the step solved (declared: with its weights)
+    assert step.measure()["step_peak_bytes"] > 0
 
     snap = Snapshot(list(model.variables) + list(model.optimizer.variables))
     start = snap.now()

@@ -469,8 +469,9 @@ class OptimizedStep:
             from tf_remat.profile import synthetic_batch
 
             b = self._primary()
+            # (the specs' third item is the weights alone, which the label pair holds)
             x, y = synthetic_batch(*self._specs(_first_dim(self.input_spec),
-                                                self._opts.get("sample_weight_spec")))
+                                                self._opts.get("sample_weight_spec"))[:2])
         else:  # the step for this batch's size, as a call on it would run
             b, (x, y) = self._prepare(x, y, None, apply_updates=True)
         return measure_step_peak(b.step, x, y, variables=b.extraction.traced.variables,
