@@ -280,6 +280,18 @@ def test_hint_option_and_progress_callback():
         solve(g, budget, "moccasin", order="sideways")
 
 
+def test_auto_over_every_budget_returns_the_lowest_peak_found():
+    """An infeasible solve reports its peak as the smallest budget reached (optimize's error
+    says raise the budget to it), so ``auto`` keeps the lowest peak of its components, not the
+    one FastSA's objective max(peak, budget) * cost prefers (44 here where MOCCASIN found 42)."""
+    g = training_dag(14, seed=0)
+    budget = int(1.01 * g.budget_lower_bound)
+    p = solve(g, budget, "auto", time_limit=6)
+    assert not p.within_budget
+    peaks = [r["peak"] for r in p.info["runs"] if "peak" in r]
+    assert p.peak_memory == min(peaks), p.info["runs"]
+
+
 def test_moccasin_free_order_gives_valid_plans():
     g = training_dag(5, seed=6, fixed=2)
     for f in (0.9, 0.8):
