@@ -6,7 +6,10 @@ accepts at every point:
 1. the reference order run once (checkpoint-all): when it fits the budget it is optimal (every
    node computed once) and the solve ends; otherwise the best of the chen / articulation-point /
    linearized greedy baselines;
-2. FastSA (:mod:`tf_remat.solvers.fastsa`) from the best plan so far;
+2. FastSA (:mod:`tf_remat.solvers.fastsa`) from the best plan so far: on graphs over
+   ``exact_nodes``, 90% of the time left when a baseline fits the budget, half when none does
+   (MOCCASIN's first phase, reaching the budget, is then what fits a tight budget, and it needs
+   the time: ``benchmarks/results/auto_share.md``);
 3. the exact solvers warm-started from the best plan so far: Checkmate's MILP on small graphs
    (it proves the fixed-order optimum), then MOCCASIN on CP-SAT with ``hint=`` the best
    sequence (searching the stages of that plan's order) while time is left; graphs too large
@@ -44,6 +47,11 @@ _OPTIONS = {
 }
 
 DEFAULT_TIME = 60.0
+#: FastSA's share of the time left on graphs over ``exact_nodes`` when a baseline fits the
+#: budget (it lowers the cost from there) ...
+_FASTSA_SHARE = 0.9
+#: ... and when none does: MOCCASIN then needs time to reach the budget
+_FASTSA_SHARE_UNFIT = 0.5
 _BASELINES = ("chen-greedy", "ap-greedy", "linearized-greedy")
 
 
@@ -164,7 +172,9 @@ def auto(graph: Graph, budget: int, *, time_limit=None, seed: int = 0, progress=
     # 2. FastSA
     small = n <= exact_nodes
     if deadline.left() > 0:
-        fs_time = deadline.left() * (0.25 if small else 0.9)
+        fits = best is not None and best["peak"] <= budget
+        fs_time = deadline.left() * (0.25 if small else _FASTSA_SHARE if fits
+                                     else _FASTSA_SHARE_UNFIT)
         fs_opts = {"order": order}
         if small:
             fs_opts["iterations"] = 400_000
