@@ -8,8 +8,9 @@ accepts at every point:
    linearized greedy baselines;
 2. FastSA (:mod:`tf_remat.solvers.fastsa`) from the best plan so far: on graphs over
    ``exact_nodes``, 90% of the time left when a baseline fits the budget, half when none does
-   (MOCCASIN's first phase, reaching the budget, is then what fits a tight budget, and it needs
-   the time: ``benchmarks/results/auto_share.md``);
+   and the graph has at most ``moccasin_nodes`` (MOCCASIN's first phase, reaching the budget,
+   is then what fits a tight budget, and it needs the time:
+   ``benchmarks/results/auto_share.md``);
 3. the exact solvers warm-started from the best plan so far: Checkmate's MILP on small graphs
    (it proves the fixed-order optimum), then MOCCASIN on CP-SAT with ``hint=`` the best
    sequence (searching the stages of that plan's order) while time is left; graphs too large
@@ -172,9 +173,11 @@ def auto(graph: Graph, budget: int, *, time_limit=None, seed: int = 0, progress=
     # 2. FastSA
     small = n <= exact_nodes
     if deadline.left() > 0:
+        # (over moccasin_nodes, where MOCCASIN runs only while nothing fits and was not in the
+        # comparison behind the half share, FastSA keeps 90%)
         fits = best is not None and best["peak"] <= budget
-        fs_time = deadline.left() * (0.25 if small else _FASTSA_SHARE if fits
-                                     else _FASTSA_SHARE_UNFIT)
+        fs_time = deadline.left() * (0.25 if small else _FASTSA_SHARE
+                                     if fits or n > moccasin_nodes else _FASTSA_SHARE_UNFIT)
         fs_opts = {"order": order}
         if small:
             fs_opts["iterations"] = 400_000
