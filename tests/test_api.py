@@ -283,7 +283,7 @@ def test_infeasible_budget_raises_and_changes_nothing():
     assert step.report["predicted_peak_bytes"] <= err.min_feasible * 1.02
 
 
-def test_infeasible_budget_under_auto_names_a_peak_a_solver_reaches():
+def test_infeasible_budget_under_auto_names_a_peak_a_solver_reaches(capsys):
     """The smallest peak the error names is what the user is told to raise the budget to: with
     ``auto``, a solve aimed 5% over the graph's lower bound finds one well under the greedy
     baselines' (on skip_cnn 13.6 MiB in 3 s against their 17.1), and that budget is met."""
@@ -295,7 +295,9 @@ def test_infeasible_budget_under_auto_names_a_peak_a_solver_reaches():
     greedy = min(tf_remat.solve(g, g.budget_lower_bound, s).peak_memory
                  for s in ("linearized-greedy", "chen-greedy"))
     with pytest.raises(InfeasibleBudgetError) as info:
-        tf_remat.optimize(model, budget_bytes=2**20, input_spec=xs, label_spec=ys, **opts)
+        tf_remat.optimize(model, budget_bytes=2**20, input_spec=xs, label_spec=ys,
+                          **{**opts, "verbose": 1})
+    assert "searching 3 s for the smallest budget" in capsys.readouterr().err
     reach = info.value.min_feasible
     assert g.budget_lower_bound <= reach < 0.95 * greedy
     step = tf_remat.optimize(model, budget_bytes=int(reach * 1.02), input_spec=xs,

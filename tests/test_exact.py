@@ -330,3 +330,24 @@ def test_moccasin_in_a_child_process_matches_in_process(monkeypatch):
     assert abs(child.cost - here.cost) <= 1e-9
     assert child.peak_memory <= budget
     assert any(ev.get("cost") is not None for ev in seen)
+
+
+def test_bench_auto_share_writes_its_table(tmp_path):
+    """The benchmark behind auto's time split runs on a bundled graph and writes a row per
+    graph with a cell per share."""
+    import importlib.util
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location(
+        "bench_auto_share", os.path.join(root, "tools", "bench_auto_share.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "share.md"
+    graph = os.path.join(root, "tf_remat", "examples", "random_layered_n100.json")
+    assert bench.main([graph, "--repeats", "1", "--time-limit", "1", "--shares", "0.5", "0.9",
+                       "-o", str(out)]) == 0
+    rows = [r for r in out.read_text().splitlines() if r.startswith("| random_layered")]
+    assert len(rows) == 1 and rows[0].count("/1 /") == 2
+    import tf_remat.solvers.auto as auto_module
+    assert auto_module._FASTSA_SHARE_UNFIT == 0.5  # the benchmark puts it back

@@ -1441,10 +1441,12 @@ def _raise_infeasible(graph, plan, budget, opts, loop_bytes=None):
         # the user to raise the budget to it (max_batch_size's probes, which only need to know
         # that a size fails, skip this). Aimed 5% over the bound: aimed at the bound itself,
         # MOCCASIN returned a plan 32% over it on that graph, at 1.05 times it one 0.6% over
-        limit = opts.get("time_limit")
+        limit = 10 if opts.get("time_limit") is None else min(10, opts["time_limit"])
+        if opts.get("verbose"):
+            print(f"tf-remat: no plan within {format_bytes(budget)}; searching {limit:g} s "
+                  f"for the smallest budget a plan reaches", file=sys.stderr, flush=True)
         try:
-            p = solve_isolated(graph, int(1.05 * lb), "auto", time_limit=10 if limit is None
-                               else min(10, limit), verbose=0)
+            p = solve_isolated(graph, int(1.05 * lb), "auto", time_limit=limit, verbose=0)
         except RematError:
             p = None
         if p is not None and p.steps and p.peak_memory < reach:

@@ -66,11 +66,14 @@ def main(argv=None) -> int:
             for share in args.shares:
                 auto_module._FASTSA_SHARE_UNFIT = share
                 fits, over = 0, []
-                for r in range(args.repeats):
-                    p = solve(g, budget, "auto", time_limit=args.time_limit, seed=r)
-                    if p.within_budget:
-                        fits += 1
-                        over.append(p.overhead)
+                try:
+                    for r in range(args.repeats):
+                        p = solve(g, budget, "auto", time_limit=args.time_limit, seed=r)
+                        if p.within_budget:
+                            fits += 1
+                            over.append(p.overhead)
+                finally:
+                    auto_module._FASTSA_SHARE_UNFIT = default
                 cells.append(f"{fits}/{args.repeats} / " +
                              (f"{100 * statistics.median(over):.1f}%" if over else "-"))
             row = [os.path.basename(path), str(g.n), f"{budget / g.no_remat_peak:.3f}"] + cells
