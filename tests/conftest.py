@@ -11,6 +11,17 @@ SHARED_GRAPHS = os.environ.get("TF_REMAT_SHARED_GRAPHS",
                                os.path.join(ROOT, "..", "shared", "benchmarks", "graphs"))
 
 
+def load_tool(name):
+    """``tools/<name>.py`` as a module (the tools are scripts, not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "tools",
+                                                                     name + ".py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def shared_graph(name):
     path = os.path.join(SHARED_GRAPHS, name + ".json")
     if not os.path.exists(path):

@@ -123,19 +123,14 @@ def test_replay_ignores_frees_of_memory_from_before_the_step():
 def test_the_allocator_benchmark_replays_a_plans_buffers_as_the_simulator_counts_them():
     """tools/bench_allocator.py's model of a plan: each node's buffers allocated at its compute
     and freed at its free; the bytes requested peak where the simulator's peak is."""
-    import importlib.util
-    import os
     import types
 
+    from conftest import load_tool
     from tf_remat.graph import Graph
     from tf_remat.plan import make_plan
     from tf_remat.solvers.baselines import checkpoint_all
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    spec = importlib.util.spec_from_file_location(
-        "bench_allocator", os.path.join(root, "tools", "bench_allocator.py"))
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_tool("bench_allocator")
     # a diamond; node 1 has two buffers, node 3 none listed (a workspace node: one request)
     g = Graph(cost=(1, 1, 1, 1, 1), memory=(4096, 3072, 2048, 1024, 512),
               edges=((0, 1), (0, 2), (1, 3), (2, 3), (3, 4)), fixed_memory=100)

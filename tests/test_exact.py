@@ -6,12 +6,13 @@ up to six nodes it is found here by enumerating every staged sequence through th
 """
 
 import itertools
+import os
 import random
 import time
 
 import pytest
 
-from conftest import shared_graph
+from conftest import ROOT, load_tool, shared_graph
 from strategy_testing import run_strategy_test
 from tf_remat.errors import StrategyError
 from tf_remat.generators import linear_graph, random_dag, random_layered_graph
@@ -335,19 +336,18 @@ def test_moccasin_in_a_child_process_matches_in_process(monkeypatch):
 def test_bench_auto_share_writes_its_table(tmp_path):
     """The benchmark behind auto's time split runs on a bundled graph and writes a row per
     graph with a cell per share."""
-    import importlib.util
-    import os
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    spec = importlib.util.spec_from_file_location(
-        "bench_auto_share", os.path.join(root, "tools", "bench_auto_share.py"))
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
     out = tmp_path / "share.md"
-    graph = os.path.join(root, "tf_remat", "examples", "random_layered_n100.json")
-    assert bench.main([graph, "--repeats", "1", "--time-limit", "1", "--shares", "0.5", "0.9",
-                       "-o", str(out)]) == 0
+    graph = os.path.join(ROOT, "tf_remat", "examples", "random_layered_n100.json")
+    assert load_tool("bench_auto_share").main(
+        [graph, "--repeats", "1", "--time-limit", "1", "-o", str(out)]) == 0
     rows = [r for r in out.read_text().splitlines() if r.startswith("| random_layered")]
     assert len(rows) == 1 and rows[0].count("/1 /") == 2
-    import tf_remat.solvers.auto as auto_module
-    assert auto_module._FASTSA_SHARE_UNFIT == 0.5  # the benchmark puts it back
+
+
+def test_auto_unfit_share_option_is_checked():
+    g = training_dag(14, seed=0)
+    budget = (g.budget_lower_bound + g.no_remat_peak) // 2
+    assert solve(g, budget, "auto", time_limit=1, unfit_share=0.3).within_budget
+    for bad in (0, 1.5):
+        with pytest.raises(StrategyError, match="unfit_share"):
+            solve(g, budget, "auto", unfit_share=bad)

@@ -511,12 +511,9 @@ def test_tradeoff_on_a_zoo_model_writes_png_and_valid_points(tmp_path):
 
 
 def test_heldout_bench_table_says_when_the_first_call_was_refused():
-    import importlib.util
+    from conftest import load_tool
 
-    spec = importlib.util.spec_from_file_location(
-        "bench_heldout", os.path.join(ROOT, "tools", "bench_heldout.py"))
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_tool("bench_heldout")
     mib = 2**20
     row = {"fraction": 0.6, "budget": 10 * mib, "status": "feasible", "strategy": "auto",
            "simulated": 8 * mib, "verified": 9 * mib, "fresh": 9 * mib, "after_fit": 9 * mib,

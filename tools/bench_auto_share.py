@@ -26,9 +26,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import tf_remat.solvers.auto as auto_module  # noqa: E402
 from tf_remat.graph import load_graph  # noqa: E402
-from tf_remat.solvers import solve  # noqa: E402
+from tf_remat.solvers import get_strategy, solve  # noqa: E402
+from tf_remat.solvers.auto import _FASTSA_SHARE  # noqa: E402
 
 DEFAULT_OUT = os.path.join(ROOT, "benchmarks", "results", "auto_share.md")
 
@@ -40,7 +40,8 @@ def main(argv=None) -> int:
                     help="also every *_train graph and random_layered_n250 there")
     ap.add_argument("--fractions", nargs="+", type=float, default=[0.1],
                     help="budgets: lower bound + f * (greedy baselines' lowest peak - bound)")
-    ap.add_argument("--shares", nargs="+", type=float, default=[0.9, 0.5])
+    ap.add_argument("--shares", nargs="+", type=float, default=[0.9, 0.5],
+                    help="values of auto's unfit_share option")
     ap.add_argument("--time-limit", type=float, default=10.0)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("-o", "--output", default=DEFAULT_OUT)
@@ -53,7 +54,7 @@ def main(argv=None) -> int:
         ap.error("give graph files, or --shared DIR")
     head = (["graph", "nodes", "budget / no-remat peak"] +
             [f"share {s:g}: fits / overhead" for s in args.shares])
-    default = auto_module._FASTSA_SHARE_UNFIT
+    default = get_strategy("auto").options["unfit_share"][1]
     rows = []
     for path in paths:
         g = load_graph(path)
@@ -64,16 +65,13 @@ def main(argv=None) -> int:
             budget = int(lb + f * (reach - lb))
             cells = []
             for share in args.shares:
-                auto_module._FASTSA_SHARE_UNFIT = share
                 fits, over = 0, []
-                try:
-                    for r in range(args.repeats):
-                        p = solve(g, budget, "auto", time_limit=args.time_limit, seed=r)
-                        if p.within_budget:
-                            fits += 1
-                            over.append(p.overhead)
-                finally:
-                    auto_module._FASTSA_SHARE_UNFIT = default
+                for r in range(args.repeats):
+                    p = solve(g, budget, "auto", time_limit=args.time_limit, seed=r,
+                              unfit_share=share)
+                    if p.within_budget:
+                        fits += 1
+                        over.append(p.overhead)
                 cells.append(f"{fits}/{args.repeats} / " +
                              (f"{100 * statistics.median(over):.1f}%" if over else "-"))
             row = [os.path.basename(path), str(g.n), f"{budget / g.no_remat_peak:.3f}"] + cells
@@ -87,8 +85,8 @@ def main(argv=None) -> int:
            f"{', '.join(f'{f:g}' for f in args.fractions)} of the way from the graph's lower "
            f"bound to the greedy baselines' lowest peak (none of them fits). \"fits\": how "
            f"many seeds' plans fit the budget; overhead: their median. `auto` gives FastSA "
-           f"{auto_module._FASTSA_SHARE:g} of the time left when a baseline fits, "
-           f"{default:g} when none does.", "", *table, ""]
+           f"{_FASTSA_SHARE:g} of the time left when a baseline fits, "
+           f"{default:g} (its `unfit_share` option) when none does.", "", *table, ""]
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     with open(args.output, "w") as fh:
         fh.write("\n".join(doc))

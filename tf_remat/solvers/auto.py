@@ -7,9 +7,9 @@ accepts at every point:
    node computed once) and the solve ends; otherwise the best of the chen / articulation-point /
    linearized greedy baselines;
 2. FastSA (:mod:`tf_remat.solvers.fastsa`) from the best plan so far: on graphs over
-   ``exact_nodes``, 90% of the time left when a baseline fits the budget, half when none does
-   and the graph has at most ``moccasin_nodes`` (MOCCASIN's first phase, reaching the budget,
-   is then what fits a tight budget, and it needs the time:
+   ``exact_nodes``, 90% of the time left when a baseline fits the budget, ``unfit_share``
+   (half) when none does and the graph has at most ``moccasin_nodes`` (MOCCASIN's first
+   phase, reaching the budget, is then what fits a tight budget, and it needs the time:
    ``benchmarks/results/auto_share.md``);
 3. the exact solvers warm-started from the best plan so far: Checkmate's MILP on small graphs
    (it proves the fixed-order optimum), then MOCCASIN on CP-SAT with ``hint=`` the best
@@ -45,14 +45,15 @@ _OPTIONS = {
                                   "FastSA when time is left (larger ones only while no "
                                   "plan fits)"),
     "hint": (tuple, None, "a compute sequence to start from (Python API)"),
+    "unfit_share": (float, 0.5, "FastSA's share of the time left when no baseline fits the "
+                                "budget, on graphs over exact_nodes and up to moccasin_nodes "
+                                "(MOCCASIN gets the rest; 0.9 when a baseline fits)"),
 }
 
 DEFAULT_TIME = 60.0
 #: FastSA's share of the time left on graphs over ``exact_nodes`` when a baseline fits the
-#: budget (it lowers the cost from there) ...
+#: budget (it lowers the cost from there; when none does, ``unfit_share``)
 _FASTSA_SHARE = 0.9
-#: ... and when none does: MOCCASIN then needs time to reach the budget
-_FASTSA_SHARE_UNFIT = 0.5
 _BASELINES = ("chen-greedy", "ap-greedy", "linearized-greedy")
 
 
@@ -79,9 +80,12 @@ def moccasin_need_seconds(n: int, *, small: bool, large: bool) -> float:
                   "best plan (proven optima on small graphs)", options=_OPTIONS)
 def auto(graph: Graph, budget: int, *, time_limit=None, seed: int = 0, progress=None,
          order: str = "free", exact_nodes: int = 60, moccasin_nodes: int = 1500,
-         hint=None) -> Schedule:
+         hint=None, unfit_share: float = 0.5) -> Schedule:
     if order not in ("free", "fixed"):
         raise StrategyError(f"option order={order!r} of strategy 'auto' must be free or fixed")
+    if not 0 < unfit_share <= 1:
+        raise StrategyError(f"option unfit_share={unfit_share!r} of strategy 'auto' must be "
+                            f"over 0 and at most 1")
     hint = check_hint(hint, graph)
     reference = evaluate(graph, graph.order)
     if reference is None or reference[0] > budget:
@@ -177,7 +181,7 @@ def auto(graph: Graph, budget: int, *, time_limit=None, seed: int = 0, progress=
         # comparison behind the half share, FastSA keeps 90%)
         fits = best is not None and best["peak"] <= budget
         fs_time = deadline.left() * (0.25 if small else _FASTSA_SHARE
-                                     if fits or n > moccasin_nodes else _FASTSA_SHARE_UNFIT)
+                                     if fits or n > moccasin_nodes else unfit_share)
         fs_opts = {"order": order}
         if small:
             fs_opts["iterations"] = 400_000
