@@ -106,6 +106,24 @@ def test_infeasible_budget_returns_best_peak_marked_infeasible():
     assert p.peak_memory <= g.no_remat_peak
 
 
+def test_runs_escalate_the_penalty_only_while_no_plan_fits():
+    """At a tight budget the annealing can settle just over it; the runs added with a steeper
+    slope then find a plan within it (this graph and budget: 1.013x of the budget without
+    them), the same one for the same seed, and no run is added once a plan fits."""
+    g = random_layered_graph(150, seed=2)
+    budget = int(g.no_remat_peak * 0.72)
+    plain = solve(g, budget, "fastsa", iterations=400_000, escalate=0, verbose=0)
+    assert plain.status == "infeasible" and plain.info["escalated_runs"] == 0
+    p = solve(g, budget, "fastsa", iterations=400_000, verbose=0)
+    assert p.status == "feasible" and p.peak_memory <= budget
+    assert 1 <= p.info["escalated_runs"] <= 2
+    assert p.steps == solve(g, budget, "fastsa", iterations=400_000, verbose=0).steps
+    loose = solve(g, int(g.no_remat_peak * 0.9), "fastsa", iterations=400_000, verbose=0)
+    assert loose.status == "feasible" and loose.info["escalated_runs"] == 0
+    with pytest.raises(StrategyError, match="escalate"):
+        solve(g, budget, "fastsa", escalate=-1, verbose=0)
+
+
 def test_time_limit_respected_and_options_checked():
     g = random_layered_graph(300, seed=5)
     budget = int(g.no_remat_peak * 0.8)
