@@ -144,6 +144,8 @@ def auto(graph: Graph, budget: int, *, time_limit=None, seed: int = 0, progress=
         entry = {"strategy": name, "status": s.status, "seconds": round(took, 3)}
         if s.info.get("mutations_per_second"):
             entry["mutations_per_second"] = s.info["mutations_per_second"]
+        if s.info.get("escalated_runs"):
+            entry["escalated_runs"] = s.info["escalated_runs"]
         if r is not None:
             entry.update(peak=int(r[0]), cost=r[1])
         if strat.exact and s.lower_bound is not None and opts.get("order", "fixed") == "fixed":
@@ -187,6 +189,10 @@ def auto(graph: Graph, budget: int, *, time_limit=None, seed: int = 0, progress=
             fs_opts["iterations"] = 400_000
         if best is not None and best["peak"] <= budget:
             fs_opts["hint"] = best["seq"]
+        elif n > moccasin_nodes:
+            # FastSA's added runs at a steeper slope would spend all of its 90% when nothing
+            # fits, and MOCCASIN, which fitted InceptionV3 (below), needs what is left after
+            fs_opts["escalate"] = 0
         run("fastsa", fs_time, **fs_opts)
     # 3. exact solvers, warm-started
     if small and deadline.left() > 0.2:
