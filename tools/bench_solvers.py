@@ -46,6 +46,10 @@ def main(argv=None) -> int:
     ap.add_argument("--strategies", nargs="+", help="default: every registered strategy")
     ap.add_argument("--time-limit", type=float, default=30.0, help="seconds per solve")
     ap.add_argument("--repeats", type=int, default=1, help="runs per cell (medians reported)")
+    ap.add_argument("--seeds", action="store_true",
+                    help="run k of a cell uses seed k (default: seed 0 in every run)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="strategy option for every solve (tf-remat solve --set)")
     ap.add_argument("-o", "--output", default=DEFAULT_OUT)
     ap.add_argument("--quiet", "-q", action="store_true")
     args = ap.parse_args(argv)
@@ -67,8 +71,9 @@ def main(argv=None) -> int:
         for frac in args.budgets:
             budget = int(frac * g.no_remat_peak)
             for strat in strategies:
-                runs = [_run(path, g, budget, strat, args.time_limit)
-                        for _ in range(max(1, args.repeats))]
+                runs = [_run(path, g, budget, strat, args.time_limit,
+                             seed=k if args.seeds else 0, options=args.set)
+                        for k in range(max(1, args.repeats))]
                 row = _summarize(stem, g, frac, budget, strat, runs)
                 row["published"] = published.get((stem, round(frac * 100)), "")
                 rows.append(row)
@@ -92,11 +97,14 @@ def _graph_paths(shared, names):
     return found
 
 
-def _run(path, g, budget, strategy, time_limit):
+def _run(path, g, budget, strategy, time_limit, seed=0, options=()):
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "plan.json")
         cmd = [sys.executable, "-m", "tf_remat", "solve", path, "--budget", str(budget),
-               "--strategy", strategy, "--time-limit", str(time_limit), "--quiet", "-o", out]
+               "--strategy", strategy, "--time-limit", str(time_limit), "--quiet", "-o", out,
+               "--seed", str(seed)]
+        for kv in options:
+            cmd += ["--set", kv]
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
         start = time.perf_counter()
         try:
@@ -211,6 +219,10 @@ def _markdown(rows, args, elapsed):
     if args.strategies:
         cmd += ["--strategies", *args.strategies]
     cmd += ["--time-limit", f"{args.time_limit:g}", "--repeats", str(args.repeats)]
+    if args.seeds:
+        cmd.append("--seeds")
+    for kv in args.set:
+        cmd += ["--set", kv]
     ncpu = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     out = [
         "# Solver benchmark on the published graphs",
@@ -244,6 +256,8 @@ def _markdown(rows, args, elapsed):
                            f"({r.get('error') or ''}) | | | | {r['wall']:.1f} | | {pub} |")
                 continue
             flag = "" if r["within"] else " (over budget)"
+            if r["runs"] > 1:   # overhead and peak are the medians of the runs within it
+                flag += f", {r['within']}/{r['runs']} within"
             if r.get("rate"):
                 flag += f", {r['rate'] / 1e6:.2f}M/s"
             out.append(
