@@ -116,7 +116,7 @@ def test_runs_escalate_the_penalty_only_while_no_plan_fits():
     assert plain.status == "infeasible" and plain.info["escalated_runs"] == 0
     p = solve(g, budget, "fastsa", iterations=400_000, verbose=0)
     assert p.status == "feasible" and p.peak_memory <= budget
-    assert 1 <= p.info["escalated_runs"] <= 2
+    assert 1 <= p.info["escalated_runs"] <= 3
     assert p.steps == solve(g, budget, "fastsa", iterations=400_000, verbose=0).steps
     loose = solve(g, int(g.no_remat_peak * 0.9), "fastsa", iterations=400_000, verbose=0)
     assert loose.status == "feasible" and loose.info["escalated_runs"] == 0
