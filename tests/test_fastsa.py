@@ -4,6 +4,7 @@ The first test compiles the numba kernel (cached on disk afterwards; about 10 s 
 clone on the 2-core CI machine).
 """
 
+import os
 import time
 
 import pytest
@@ -122,6 +123,29 @@ def test_runs_escalate_the_penalty_only_while_no_plan_fits():
     assert loose.status == "feasible" and loose.info["escalated_runs"] == 0
     with pytest.raises(StrategyError, match="escalate"):
         solve(g, budget, "fastsa", escalate=-1, verbose=0)
+
+
+def test_bench_solvers_passes_seeds_and_options(tmp_path):
+    """``tools/bench_solvers.py --seeds --set``: each run of a cell a fresh ``tf-remat solve`` with
+    its own seed and the options; the table counts the runs within the budget."""
+    from conftest import ROOT, load_tool
+
+    bench = load_tool("bench_solvers")
+    peaks = {}
+    for escalate in (0, 3):
+        out = tmp_path / f"e{escalate}.md"
+        assert bench.main(["--shared", os.path.join(ROOT, "tf_remat", "examples"), "--graphs",
+                           "random_layered_n100", "--budgets", "0.7", "--strategies", "fastsa",
+                           "--repeats", "2", "--seeds", "--set", f"escalate={escalate}",
+                           "--set", "iterations=400000", "--time-limit", "60", "-q",
+                           "-o", str(out)]) == 0
+        text = out.read_text()
+        assert f"--repeats 2 --seeds --set escalate={escalate} --set iterations=400000" in text
+        row = [ln for ln in text.splitlines() if ln.startswith("| 70% | fastsa")][0]
+        assert "/2 within" in row
+        peaks[escalate] = float(row.split("|")[5])
+    # the option reached the solver: its added runs came closer to the budget
+    assert peaks[3] < peaks[0]
 
 
 def test_time_limit_respected_and_options_checked():
