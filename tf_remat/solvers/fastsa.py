@@ -252,6 +252,8 @@ def fastsa(graph: Graph, budget: int, *, time_limit=None, seed: int = 0, progres
         raise StrategyError(f"option slots={slots} of strategy 'fastsa' must be >= 1")
     if not (t0 > 0 and t1 > 0):
         raise StrategyError("options t0 and t1 of strategy 'fastsa' must be > 0")
+    if escalate < 0:
+        raise StrategyError(f"option escalate={escalate} of strategy 'fastsa' must be >= 0")
     hint = check_hint(hint, graph)
     compile_kernel()  # once per process, before the clock starts
     deadline = Deadline(time_limit, reserve=min(0.5, 0.05 * time_limit) if time_limit else 0.0)
@@ -266,8 +268,6 @@ def fastsa(graph: Graph, budget: int, *, time_limit=None, seed: int = 0, progres
     restarts = int(restarts)
     total = int(iterations) if iterations > 0 else default_iterations(graph, time_limit, restarts)
     per_run = max(1, total // restarts)
-    if escalate < 0:
-        raise StrategyError(f"option escalate={escalate} of strategy 'fastsa' must be >= 0")
     # candidates measured by the simulator: (within budget, cost or peak key, sequence)
     best = None   # (feasible, key, seq, peak, cost)
 
