@@ -125,6 +125,22 @@ def test_runs_escalate_the_penalty_only_while_no_plan_fits():
         solve(g, budget, "fastsa", escalate=-1, verbose=0)
 
 
+def test_large_graphs_get_as_many_full_runs_as_the_time_limit_pays_for():
+    """Three runs on small graphs; over 400 nodes, the full-length runs (8,000 proposals per
+    node) that fit the time limit at the assumed rate, at least one and at most three."""
+    from tf_remat.solvers.fastsa import default_restarts
+
+    small, large = random_layered_graph(100, seed=0), random_layered_graph(500, seed=0)
+    assert [default_restarts(small, t) for t in (0.5, 60, None)] == [3, 3, 3]
+    # a run of large is 4M proposals; the limit pays for 0.85 * limit * 1M of them
+    assert [default_restarts(large, t) for t in (1, 5, 10, 15, 60, None)] == [1, 1, 2, 3, 3, 3]
+    budget = int(large.no_remat_peak * 0.95)
+    short = solve(large, budget, "fastsa", iterations=30_000, time_limit=5, verbose=0)
+    free = solve(large, budget, "fastsa", iterations=30_000, verbose=0)
+    assert short.within_budget and free.within_budget
+    assert (short.info["runs"], free.info["runs"]) == (1, 3)
+
+
 def test_bench_solvers_passes_seeds_and_options(tmp_path):
     """``tools/bench_solvers.py --seeds --set``: each run of a cell a fresh ``tf-remat solve`` with
     its own seed and the options; the table counts the runs within the budget."""
@@ -237,8 +253,10 @@ def test_auto_gives_large_graphs_moccasin_only_while_nothing_fits():
     runs = hard.info["runs"]
     fastsa_fits = any(r["strategy"] == "fastsa" and r.get("peak", hard.budget + 1) <= hard.budget
                       for r in runs)
-    # FastSA adds no runs at a steeper slope here: they would take MOCCASIN's time
+    # FastSA adds no runs at a steeper slope here, and runs once (three on a graph this
+    # size otherwise): more runs would take MOCCASIN's time
     assert not any(r.get("escalated_runs") for r in runs)
+    assert {r["runs"] for r in runs if r["strategy"] == "fastsa"} == {1}
     if any(r["strategy"] == "moccasin" for r in runs):
         assert not fastsa_fits
         names = [r["strategy"] for r in runs]

@@ -144,6 +144,8 @@ def auto(graph: Graph, budget: int, *, time_limit=None, seed: int = 0, progress=
         entry = {"strategy": name, "status": s.status, "seconds": round(took, 3)}
         if s.info.get("mutations_per_second"):
             entry["mutations_per_second"] = s.info["mutations_per_second"]
+        if s.info.get("runs"):
+            entry["runs"] = s.info["runs"]
         if s.info.get("escalated_runs"):
             entry["escalated_runs"] = s.info["escalated_runs"]
         if r is not None:
@@ -190,9 +192,10 @@ def auto(graph: Graph, budget: int, *, time_limit=None, seed: int = 0, progress=
         if best is not None and best["peak"] <= budget:
             fs_opts["hint"] = best["seq"]
         elif n > moccasin_nodes:
-            # FastSA's added runs at a steeper slope would spend all of its 90% when nothing
-            # fits, and MOCCASIN, which fitted InceptionV3 (below), needs what is left after
-            fs_opts["escalate"] = 0
+            # FastSA's added runs at a steeper slope, or its three runs where the time pays
+            # for them, would spend all of its 90% when nothing fits, and MOCCASIN, which
+            # fitted InceptionV3 (below), needs what is left after
+            fs_opts.update(escalate=0, restarts=1)
         run("fastsa", fs_time, **fs_opts)
     # 3. exact solvers, warm-started
     if small and deadline.left() > 0.2:
