@@ -20,7 +20,8 @@ most forward values): there the first stage runs on single nodes too.
 The strategy is seeded: the same seed, graph, budget and options give the same plan (the number
 of proposals is fixed before the run; the time limit only cuts a run short). When no run found
 a plan within the budget, up to ``escalate`` more runs follow, each with a steeper slope over the
-budget, while time is left.
+budget, while time is left, and then one that anneals only the second stage from the plan over
+the budget that scored best.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ _OPTIONS = {
                          "over 400 nodes as many full runs, 1 to 3, as the time limit pays "
                          "for); the best is kept"),
     "escalate": (int, 3, "runs added while none has found a plan within the budget, each "
-                         "with a 5x steeper penalty than the last"),
+                         "with a 5x steeper penalty than the last, then one more from the "
+                         "best plan over the budget (0: none)"),
     "grouping": (bool, True, "first stage on groups (chains of single-reader nodes) as in "
                              "the paper's App. C.1 (order=free only)"),
     "hint": (tuple, None, "a compute sequence to start from (Python API)"),
@@ -326,7 +328,11 @@ def fastsa(graph: Graph, budget: int, *, time_limit=None, seed: int = 0, progres
     if groups is not None and groups.coarse.n > 0.95 * graph.n:
         groups = None    # too few chains to be worth a stage of their own
     r = 0
-    while r < restarts or (r < restarts + escalate and not (best and best[2] <= budget)
+    # the added runs, then one from the plan nearest the budget: fresh runs at steeper slopes
+    # can all end just over it where a cool local run from that plan gets under
+    # (random_layered_n500 at 70%, seed 0 with three runs: six runs at 1.0001x, the last within)
+    most = restarts + escalate + (1 if escalate else 0)
+    while r < restarts or (r < most and not (best and best[2] <= budget)
                            and deadline.left() > 0):
         # at a tight budget on a large graph the annealing tends to settle just over the
         # budget, where a cheaper plan over it scores as well as a dearer one within; a steeper
@@ -339,10 +345,13 @@ def fastsa(graph: Graph, budget: int, *, time_limit=None, seed: int = 0, progres
         state.build(start_seq)
         # stage 1: hot, long moves (on groups when there are any); stage 2 from stage 1's best,
         # on single nodes: cooler, local moves, steeper penalty
-        n1 = per_run * 2 // 5
+        repair = r == restarts + escalate and escalate > 0 and best is not None
+        n1 = 0 if repair else per_run * 2 // 5
         stages = [(n1, t0, math.sqrt(t0 * t1)), (per_run - n1, math.sqrt(t0 * t1) * 0.5, t1)]
         stage_state = state  # stage 1 reads what stage 0 ran on
         for si, (n_it, a, b) in enumerate(stages):
+            if si == 0 and repair:
+                continue
             run_state = state
             if si == 0 and groups is not None:
                 coarse_start = groups.to_coarse(start_seq)
@@ -352,7 +361,9 @@ def fastsa(graph: Graph, budget: int, *, time_limit=None, seed: int = 0, progres
                 run_state.extra[:] = groups.extra
                 run_state.build(coarse_start)
             if si == 1:
-                if groups is not None:
+                if repair:
+                    seq = best[1]
+                elif groups is not None:
                     prev = stage_state
                     seq = groups.expand(prev.sequence("feasible" if prev.have_feasible
                                                       else "any"))
@@ -403,7 +414,8 @@ def fastsa(graph: Graph, budget: int, *, time_limit=None, seed: int = 0, progres
     elapsed = time.perf_counter() - start
     info = {"groups": groups.coarse.n if groups is not None else None, "iterations": done,
             "planned_iterations": total,
-            "runs": r, "escalated_runs": max(0, r - restarts), "slots": state.T,
+            "runs": r, "escalated_runs": max(0, r - restarts),
+            "repair_run": escalate > 0 and r > restarts + escalate, "slots": state.T,
             "order": order, "stopped_by_time": stopped,
             # mutations applied (and evaluated, then kept or undone) per second of the kernel;
             # proposals that fail a validity check before any change are not counted
