@@ -140,14 +140,18 @@ def test_last_added_run_starts_from_the_plan_nearest_the_budget():
 
 
 def test_large_graphs_get_as_many_full_runs_as_the_time_limit_pays_for():
-    """Three runs on small graphs; over 400 nodes, the full-length runs (8,000 proposals per
-    node) that fit the time limit at the assumed rate, at least one and at most three."""
-    from tf_remat.solvers.fastsa import default_restarts
+    """Three runs on small graphs, cut to the time limit; over 400 nodes, the full-length runs
+    (8,000 proposals per node) the limit pays for at the assumed rate, rounded to the nearest,
+    at least one (cut to the limit) and at most three."""
+    from tf_remat.solvers.fastsa import default_runs
 
     small, large = random_layered_graph(100, seed=0), random_layered_graph(500, seed=0)
-    assert [default_restarts(small, t) for t in (0.5, 60, None)] == [3, 3, 3]
-    # a run of large is 4M proposals; the limit pays for 0.85 * limit * 1M of them
-    assert [default_restarts(large, t) for t in (1, 5, 10, 15, 60, None)] == [1, 1, 2, 3, 3, 3]
+    # the limit pays for 0.85 * limit * 1M proposals; a run of small is 3M, of large 4M
+    assert [default_runs(small, t) for t in (0.5, 60, None)] == \
+        [(3, 425_000), (3, 9_000_000), (3, 9_000_000)]
+    assert [default_runs(large, t) for t in (1, 5, 8, 15, 60, None)] == \
+        [(1, 850_000), (1, 4_000_000), (2, 8_000_000), (3, 12_000_000), (3, 12_000_000),
+         (3, 12_000_000)]
     budget = int(large.no_remat_peak * 0.95)
     short = solve(large, budget, "fastsa", iterations=30_000, time_limit=5, verbose=0)
     free = solve(large, budget, "fastsa", iterations=30_000, verbose=0)

@@ -244,20 +244,20 @@ def _iteration_cap(time_limit) -> int:
     return cap
 
 
-def default_restarts(graph: Graph, time_limit) -> int:
-    """Runs when ``restarts=0``: 3, but on a graph of over 400 nodes only as many full-length
-    runs as the time limit pays for at the assumed rate (at least 1). Three runs of 8,000
-    proposals per node took random_layered_n1000 at 70% from 8.24% to a median of 7.24% over
-    four seeds (one run of three times the length: 7.83% and 6.87% on two), for 3x the time
-    (``benchmarks/results/fastsa.md``); a short limit keeps one full run rather than three cut
-    short."""
+def default_runs(graph: Graph, time_limit) -> tuple:
+    """``(restarts, iterations)`` when both options are 0. Three runs, each of 8,000 proposals
+    per node (at least 3M), cut to what the time limit pays for at the assumed rate; but on a
+    graph of over 400 nodes, as many *full* runs as the limit pays for, rounded to the nearest
+    (the rate assumed is about half the kernel's on this machine), one run cut to the limit
+    when not even that. Three full runs took random_layered_n1000 at 70% from 8.24% (one run)
+    to a median of 7.29% over eight seeds (``benchmarks/results/fastsa.md``); rounded down,
+    FastSA's half of the time inside ``auto`` paid for two there, and cut short runs end
+    elsewhere than the same seed's full ones."""
+    per, cap = _run_iterations(graph), _iteration_cap(time_limit)
     if graph.n <= 400:
-        return 3
-    return max(1, min(3, _iteration_cap(time_limit) // _run_iterations(graph)))
-
-
-def default_iterations(graph: Graph, time_limit, restarts: int = 1) -> int:
-    return int(min(restarts * _run_iterations(graph), _iteration_cap(time_limit)))
+        return 3, min(3 * per, cap)
+    runs = max(1, min(3, round(cap / per)))
+    return runs, (runs * per if runs > 1 else min(per, cap))
 
 
 @register("fastsa", "FastSA simulated annealing over a slotted sequence (numba; order=free "
@@ -286,10 +286,16 @@ def fastsa(graph: Graph, budget: int, *, time_limit=None, seed: int = 0, progres
         # a fixed order leaves fewer ways down to the budget: without a steep slope the
         # annealing settles just over it
         penalty = 10.0 if fixed_order else 2.0
+    runs, planned = default_runs(graph, time_limit)
     if restarts <= 0:
-        restarts = default_restarts(graph, time_limit)
+        restarts = runs
     restarts = int(restarts)
-    total = int(iterations) if iterations > 0 else default_iterations(graph, time_limit, restarts)
+    if iterations > 0:
+        total = int(iterations)
+    elif restarts == runs:
+        total = planned
+    else:
+        total = int(min(restarts * _run_iterations(graph), _iteration_cap(time_limit)))
     per_run = max(1, total // restarts)
     # candidates measured by the simulator: (within budget, cost or peak key, sequence)
     best = None   # (feasible, key, seq, peak, cost)
