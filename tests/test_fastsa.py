@@ -338,6 +338,24 @@ def test_grouping_first_stage():
     assert off.info["groups"] is None
 
 
+def test_auto_leaves_moccasin_its_need_when_nothing_fits():
+    """At a short limit, when no baseline fits, FastSA's share stops short of what MOCCASIN
+    needs to start: FastSA's runs at steeper slopes and its last run from the plan nearest the
+    budget, which fit nothing at this budget, would otherwise spend the whole share, and
+    MOCCASIN, which reaches tight budgets, would not run at all."""
+    from tf_remat.solvers.auto import moccasin_need_seconds
+
+    g = random_layered_graph(250, seed=4)
+    budget = int(g.budget_lower_bound * 1.05)
+    p = solve(g, budget, "auto", time_limit=10, verbose=0)
+    runs = {r["strategy"]: r for r in p.info["runs"]}
+    assert not any(runs[b].get("peak", budget + 1) <= budget
+                   for b in ("chen-greedy", "ap-greedy", "linearized-greedy") if b in runs)
+    assert runs["fastsa"]["seconds"] <= 10 - moccasin_need_seconds(g.n, small=False,
+                                                                    large=False)
+    assert "moccasin" in runs, p.info["runs"]
+
+
 def test_auto_respects_short_time_limit():
     g = random_layered_graph(300, seed=8)
     budget = int(g.no_remat_peak * 0.8)
