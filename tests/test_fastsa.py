@@ -354,6 +354,9 @@ def test_auto_leaves_moccasin_its_need_when_nothing_fits():
     assert runs["fastsa"]["seconds"] <= 10 - moccasin_need_seconds(g.n, small=False,
                                                                     large=False)
     assert "moccasin" in runs, p.info["runs"]
+    # the stop short of MOCCASIN's need never gives FastSA more than its share
+    few = solve(g, budget, "auto", time_limit=10, unfit_share=0.1, verbose=0)
+    assert [r["seconds"] for r in few.info["runs"] if r["strategy"] == "fastsa"][0] <= 1.2
 
 
 def test_auto_respects_short_time_limit():

@@ -191,9 +191,10 @@ def auto(graph: Graph, budget: int, *, time_limit=None, seed: int = 0, progress=
             # MOCCASIN, which reaches tight budgets, starts only with its need left: a FastSA
             # that spends its whole share at a short limit would leave it under that (10 s on
             # random_layered_n250 at 0.628 of its peak: FastSA's seven runs took 4.3 s of 4.5
-            # and MOCCASIN, which had fitted it, did not start)
+            # and MOCCASIN, which had fitted it, did not start); never over unfit_share, and
+            # FastSA keeps a quarter of the time when MOCCASIN could not start anyway
             need = moccasin_need_seconds(n, small=False, large=False)
-            fs_time = max(0.25 * left, min(fs_time, left - need - 0.5))
+            fs_time = min(fs_time, max(0.25 * left, left - need - 0.5))
         fs_opts = {"order": order}
         if small:
             fs_opts["iterations"] = 400_000
