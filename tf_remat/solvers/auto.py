@@ -8,9 +8,9 @@ accepts at every point:
    linearized greedy baselines;
 2. FastSA (:mod:`tf_remat.solvers.fastsa`) from the best plan so far: on graphs over
    ``exact_nodes``, 90% of the time left when a baseline fits the budget, ``unfit_share``
-   (half) when none does and the graph has at most ``moccasin_nodes`` (MOCCASIN's first
-   phase, reaching the budget, is then what fits a tight budget, and it needs the time:
-   ``benchmarks/results/auto_share.md``);
+   (half) when none does and the graph has at most ``moccasin_nodes``, stopping short of the
+   seconds MOCCASIN needs to start (MOCCASIN's first phase, reaching the budget, is then what
+   fits a tight budget, and it needs the time: ``benchmarks/results/auto_share.md``);
 3. the exact solvers warm-started from the best plan so far: Checkmate's MILP on small graphs
    (it proves the fixed-order optimum), then MOCCASIN on CP-SAT with ``hint=`` the best
    sequence (searching the stages of that plan's order) while time is left; graphs too large
@@ -198,7 +198,7 @@ def auto(graph: Graph, budget: int, *, time_limit=None, seed: int = 0, progress=
         fs_opts = {"order": order}
         if small:
             fs_opts["iterations"] = 400_000
-        if best is not None and best["peak"] <= budget:
+        if fits:
             fs_opts["hint"] = best["seq"]
         elif n > moccasin_nodes:
             # FastSA's added runs at a steeper slope, or its three runs where the time pays
