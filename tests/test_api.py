@@ -940,6 +940,48 @@ def test_optimizer_options_train_as_keras_does():
     assert [int(a) for a in iteration] == [4]  # counts batches; updates are every second one
 
 
+def test_weight_constraints_and_trainable_activations_train_as_keras_does():
+    """Keras applies a variable's constraint after the optimizer's update (an assign that reads
+    the updated value), so the rewritten step must keep that read after the update and every
+    recomputed copy before it. MaxNorm, UnitNorm, NonNeg on a bias and MinMaxNorm, PReLU's
+    per-channel slopes, a Maximum merge, a Lambda and SGD clipping each gradient's values:
+    after two steps from the same state, the losses, weights and momenta equal those of
+    Keras's own ``train_on_batch``."""
+    keras.utils.set_random_seed(3)
+    L = keras.layers
+    inp = keras.Input((16, 16, 3))
+    h = L.Conv2D(16, 3, padding="same", kernel_constraint=keras.constraints.MaxNorm(0.5))(inp)
+    h = L.PReLU(shared_axes=[1, 2])(L.BatchNormalization()(h))
+    for _ in range(2):
+        r = L.Conv2D(16, 3, padding="same",
+                     kernel_constraint=keras.constraints.UnitNorm(axis=[0, 1, 2]))(h)
+        r = L.PReLU(shared_axes=[1, 2])(L.BatchNormalization()(r))
+        r = L.Conv2D(16, 3, padding="same", bias_constraint=keras.constraints.NonNeg())(r)
+        h = L.Maximum()([h, L.Lambda(lambda t: 0.5 * t)(r)])
+    h = L.GlobalAveragePooling2D()(h)
+    out = L.Dense(10, kernel_constraint=keras.constraints.MinMaxNorm(0.1, 0.3))(h)
+    model = keras.Model(inp, out)
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  optimizer=keras.optimizers.SGD(0.5, momentum=0.9, clipvalue=0.05))
+    model.optimizer.build(model.trainable_variables)
+    xs, ys = tf.TensorSpec((32, 16, 16, 3)), tf.TensorSpec((32,), tf.int32)
+    step = tf_remat.optimize(model, budget_bytes=mid_budget(model, xs, ys), input_spec=xs,
+                             label_spec=ys, verify=False, attach=False, **FAST)
+    assert step.report["recomputed_nodes"] > 0
+    batches = [tuple(tf.constant(a) for a in data(xs, ys, seed=s)) for s in range(2)]
+    before = {v.path: v.numpy() for v in model.trainable_variables}
+    _, _, after = trains_as_keras(model, step, batches)
+    # the constraints bind: the dense kernel's column norms end inside [0.1, 0.3], which the
+    # Glorot start (norms near 1) and an unconstrained update would not give
+    dense = model.layers[-1].kernel
+    norms = np.linalg.norm(after[dense.path], axis=0)
+    assert np.linalg.norm(before[dense.path], axis=0).min() > 0.3
+    assert np.all((norms > 0.1 - 1e-6) & (norms < 0.3 + 1e-6))
+    biases = [layer.bias.path for layer in model.layers
+              if getattr(layer, "bias_constraint", None) is not None]
+    assert len(biases) == 2 and all(after[p].min() >= 0 for p in biases)
+
+
 def test_fit_with_steps_per_execution_and_validation_matches_keras():
     """``compile(steps_per_execution=3)`` makes Keras's train function run three steps per call
     (seven batches an epoch: two full calls and a remainder of one), with metrics and
