@@ -1059,6 +1059,84 @@ def mha(batch=32, steps=64, vocab=1000, dim=64):
     return model, tf.TensorSpec((batch, steps), tf.int32), tf.TensorSpec((batch,), tf.int32)
 
 
+def constrained(batch=32, hw=32):
+    """Weight constraints (MaxNorm, UnitNorm, NonNeg on a bias, MinMaxNorm: assigns after the
+    update that read the updated weights), PReLU after each BatchNorm, Dropout, a Maximum
+    merge with a Lambda, max pooling; SGD with momentum clipping each gradient's values,
+    ``steps_per_execution=2``."""
+    import keras
+    import tensorflow as tf
+
+    L = keras.layers
+    inp = keras.Input((hw, hw, 3))
+    h = L.Conv2D(32, 3, padding="same", kernel_constraint=keras.constraints.MaxNorm(1.0))(inp)
+    h = L.PReLU(shared_axes=[1, 2])(L.BatchNormalization()(h))
+    for width in (32, 64):
+        r = L.Conv2D(width, 3, padding="same",
+                     kernel_constraint=keras.constraints.UnitNorm(axis=[0, 1, 2]))(h)
+        r = L.Dropout(0.2)(L.PReLU(shared_axes=[1, 2])(L.BatchNormalization()(r)))
+        r = L.Conv2D(width, 3, padding="same", bias_constraint=keras.constraints.NonNeg())(r)
+        s = h if h.shape[-1] == width else L.Conv2D(width, 1)(h)
+        h = L.MaxPooling2D()(L.Maximum()([s, L.Lambda(lambda t: 0.5 * t)(r)]))
+    h = L.GlobalAveragePooling2D()(h)
+    out = L.Dense(10, kernel_constraint=keras.constraints.MinMaxNorm(0.0, 2.0))(h)
+    model = keras.Model(inp, out)
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  optimizer=keras.optimizers.SGD(0.05, momentum=0.9, clipvalue=0.5),
+                  steps_per_execution=2, metrics=["accuracy"])
+    return model, tf.TensorSpec((batch, hw, hw, 3)), tf.TensorSpec((batch,), tf.int32)
+
+
+def _penalty_class():
+    import keras
+
+    class Penalty(keras.layers.Layer):
+        """Scales its input by a weight of its own and adds a loss from the result with
+        ``add_loss`` (as a VAE's KL term is added)."""
+
+        def __init__(self, rate, **kwargs):
+            super().__init__(**kwargs)
+            self.rate = rate
+
+        def build(self, shape):
+            self.scale = self.add_weight(shape=(shape[-1],), initializer="ones", name="scale")
+
+        def call(self, x):
+            y = x * self.scale
+            self.add_loss(self.rate * keras.ops.mean(keras.ops.square(y)))
+            return y
+
+    return Penalty
+
+
+def augpenalty(batch=32, hw=32):
+    """RandomRotation, RandomZoom and RandomContrast inside the model, an encoder-decoder with a
+    strided Conv2D, a Conv2DTranspose back and a skip add, a custom layer that ``add_loss``es,
+    Dropout with a ``noise_shape``, GaussianNoise, GELU/LeakyReLU/ELU after BatchNorm; a
+    summed (not averaged) loss under AdamW with AMSGrad."""
+    import keras
+    import tensorflow as tf
+
+    L = keras.layers
+    inp = keras.Input((hw, hw, 3))
+    a = L.RandomContrast(0.2)(L.RandomZoom(0.1)(L.RandomRotation(0.1)(inp)))
+    h = L.Conv2D(32, 3, padding="same", use_bias=False)(a)
+    skip = h = L.Activation("gelu")(L.BatchNormalization()(h))
+    h = L.Conv2D(64, 3, strides=2, padding="same")(h)
+    h = _penalty_class()(1e-3)(L.LeakyReLU(0.1)(L.BatchNormalization()(h)))
+    h = L.Dropout(0.2, noise_shape=(None, 1, 1, 64))(h)
+    h = L.Add()([L.Conv2DTranspose(32, 3, strides=2, padding="same")(h), skip])
+    h = L.Activation("elu")(L.BatchNormalization()(h))
+    h = L.Conv2D(32, 3, padding="same", activation="relu")(h)
+    h = L.GlobalMaxPooling2D()(L.GaussianNoise(0.05)(h))
+    model = keras.Model(inp, L.Dense(10)(L.Dropout(0.3)(h)))
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True,
+                                                                  reduction="sum"),
+                  optimizer=keras.optimizers.AdamW(1e-3, weight_decay=0.01, amsgrad=True),
+                  metrics=["accuracy"])
+    return model, tf.TensorSpec((batch, hw, hw, 3)), tf.TensorSpec((batch,), tf.int32)
+
+
 def convnext(batch=16, hw=64):
     """ConvNeXt-style blocks: a patchifying stem with BatchNorm, depthwise 7x7 convolutions,
     LayerNorm, a GELU MLP, a layer scale (a custom layer's weight) and stochastic depth as
@@ -1178,6 +1256,7 @@ MODELS = {"resdrop": resdrop, "unet_bn": unet_bn, "densenet": densenet,
           "masked": masked, "convlstm": convlstm, "specnorm": specnorm,
           "onehot": onehot, "segment": segment, "binary": binary, "mha": mha,
           "seqcnn": seqcnn, "convnext": convnext, "attention": attention,
+          "constrained": constrained, "augpenalty": augpenalty,
           **VARIANTS, **APPLICATIONS}
 
 
