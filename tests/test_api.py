@@ -727,15 +727,21 @@ def test_xla_compiled_model_is_warned_that_the_step_runs_without_xla():
                           verify=False, **FAST)
 
 
-def _recomputing_step(model, xs, ys):
-    """``optimize`` (unverified) at a budget halfway from the graph's lower bound to its
-    no-rematerialization peak, where some values must be recomputed."""
+def mid_budget(model, xs, ys):
+    """Halfway from the graph's lower bound to its no-rematerialization peak, where some
+    values must be recomputed."""
     from tf_remat.extract import extract
 
     g = extract(model, input_spec=xs, label_spec=ys, cost_model="flops", verbose=0).graph
-    budget = (g.budget_lower_bound + g.no_remat_peak) // 2
-    step = tf_remat.optimize(model, budget_bytes=budget, input_spec=xs, label_spec=ys,
-                             verify=False, **FAST)
+    return (g.budget_lower_bound + g.no_remat_peak) // 2
+
+
+def recomputing_step(model, xs, ys, **kwargs):
+    """``optimize`` (unverified, the fast solve, ``kwargs`` added) at :func:`mid_budget`;
+    asserts that the plan recomputes something, without which a comparison with Keras's step
+    would prove nothing."""
+    step = tf_remat.optimize(model, budget_bytes=mid_budget(model, xs, ys), input_spec=xs,
+                             label_spec=ys, verify=False, **kwargs, **FAST)
     assert step.report["recomputed_nodes"] > 0
     return step
 
@@ -768,7 +774,7 @@ def test_mixed_precision_dict_model_recomputes_exactly():
         assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
         xs = {"img": tf.TensorSpec((32, 16, 16, 3)), "vec": tf.TensorSpec((32, 8))}
         ys = {"cls": tf.TensorSpec((32,), tf.int32), "reg": tf.TensorSpec((32, 1))}
-        step = _recomputing_step(model, xs, ys)
+        step = recomputing_step(model, xs, ys)
         rng = np.random.default_rng(0)
         x = {"img": tf.constant(rng.standard_normal((32, 16, 16, 3)), tf.float32),
              "vec": tf.constant(rng.standard_normal((32, 8)), tf.float32)}
@@ -931,9 +937,7 @@ def test_optimizer_options_train_as_keras_does():
                                                    gradient_accumulation_steps=2))
     model.optimizer.build(model.trainable_variables)
     xs, ys = tf.TensorSpec((32, 16, 16, 3)), tf.TensorSpec((32,), tf.int32)
-    step = tf_remat.optimize(model, budget_bytes=mid_budget(model, xs, ys), input_spec=xs,
-                             label_spec=ys, verify=False, attach=False, **FAST)
-    assert step.report["recomputed_nodes"] > 0
+    step = recomputing_step(model, xs, ys, attach=False)
     batches = [tuple(tf.constant(a) for a in data(xs, ys, seed=s)) for s in range(4)]
     _, _, after = trains_as_keras(model, step, batches)
     iteration = [a for path, a in after.items() if path.endswith("/iteration")]
@@ -965,9 +969,7 @@ def test_weight_constraints_and_trainable_activations_train_as_keras_does():
                   optimizer=keras.optimizers.SGD(0.5, momentum=0.9, clipvalue=0.05))
     model.optimizer.build(model.trainable_variables)
     xs, ys = tf.TensorSpec((32, 16, 16, 3)), tf.TensorSpec((32,), tf.int32)
-    step = tf_remat.optimize(model, budget_bytes=mid_budget(model, xs, ys), input_spec=xs,
-                             label_spec=ys, verify=False, attach=False, **FAST)
-    assert step.report["recomputed_nodes"] > 0
+    step = recomputing_step(model, xs, ys, attach=False)
     batches = [tuple(tf.constant(a) for a in data(xs, ys, seed=s)) for s in range(2)]
     before = {v.path: v.numpy() for v in model.trainable_variables}
     _, _, after = trains_as_keras(model, step, batches)
@@ -999,9 +1001,7 @@ def test_fit_with_steps_per_execution_and_validation_matches_keras():
     fit = dict(batch_size=32, epochs=2, shuffle=False, verbose=0, validation_data=(x[:64], y[:64]))
     want = ref.fit(x, y, **fit).history
     model = build()
-    step = tf_remat.optimize(model, budget_bytes=mid_budget(model, xs, ys), input_spec=xs,
-                             label_spec=ys, verify=False, **FAST)
-    assert step.report["recomputed_nodes"] > 0
+    step = recomputing_step(model, xs, ys)
     got = model.fit(x, y, **fit).history
     assert model.train_function == step._keras_train_function
     assert sorted(got) == sorted(want) == ["accuracy", "loss", "val_accuracy", "val_loss"]
@@ -1029,13 +1029,6 @@ def bn_net(loss, compile=True):
         model.compile(loss=loss, optimizer=keras.optimizers.SGD(0.1, momentum=0.9))
         model.optimizer.build(model.trainable_variables)
     return model
-
-
-def mid_budget(model, xs, ys):
-    from tf_remat.extract import extract
-
-    g = extract(model, input_spec=xs, label_spec=ys, cost_model="flops", verbose=0).graph
-    return (g.budget_lower_bound + g.no_remat_peak) // 2
 
 
 def test_a_loss_per_output_given_to_optimize_is_refused_with_the_way_to_pass_it():
@@ -1221,9 +1214,7 @@ def test_a_loss_given_by_name_is_the_batch_mean_as_in_compile():
     ``optimize`` wraps it as ``compile`` does."""
     model = bn_net("mse")
     xs, ys = tf.TensorSpec((32, 16, 16, 3)), tf.TensorSpec((32, 10))
-    step = tf_remat.optimize(model, budget_bytes=mid_budget(model, xs, ys), input_spec=xs,
-                             label_spec=ys, loss="mse", verify=False, attach=False, **FAST)
-    assert step.report["recomputed_nodes"] > 0
+    step = recomputing_step(model, xs, ys, loss="mse", attach=False)
     x = tf.random.stateless_normal(xs.shape, seed=(1, 1))
     y = tf.random.stateless_normal(ys.shape, seed=(2, 2))
     _, ours, _ = trains_as_keras(model, step, [(x, y)] * 2)
@@ -1239,11 +1230,8 @@ def test_sample_and_class_weights_train_as_keras_does(declared):
     weighted batch gets its own."""
     model = bn_net(keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     xs, ys = tf.TensorSpec((32, 16, 16, 3)), tf.TensorSpec((32,), tf.int32)
-    step = tf_remat.optimize(model, budget_bytes=mid_budget(model, xs, ys), input_spec=xs,
-                             label_spec=ys, verify=False, attach=False,
-                             sample_weight_spec=tf.TensorSpec((32,)) if declared else None,
-                             **FAST)
-    assert step.report["recomputed_nodes"] > 0
+    step = recomputing_step(model, xs, ys, attach=False, sample_weight_spec=tf.TensorSpec(
+        (32,)) if declared else None)
     x, y = data(xs, ys, n=64, seed=6)
     sw = np.linspace(0.1, 3.0, 64).astype("float32")
     cw = {i: 0.25 + 0.5 * i for i in range(10)}
@@ -1998,7 +1986,7 @@ def test_a_list_of_inputs_trains_in_fit_with_a_shared_encoder():
 
     keras.utils.set_random_seed(3)
     model, xs, ys = _siamese(batch=8)
-    step = _recomputing_step(model, xs, ys)
+    step = recomputing_step(model, xs, ys)
     rng = np.random.default_rng(0)
     x = [tf.constant(rng.standard_normal((8, 16, 16, 3)), tf.float32) for _ in range(2)]
     y = tf.constant(rng.integers(0, 2, 8), tf.int32)
@@ -2036,7 +2024,7 @@ def test_a_model_built_under_keras_remat_scope_is_optimized_exactly():
 
     ops = [op.type for op in trace_training_step(model, xs, ys).function.graph.get_operations()]
     assert ops.count("Relu") == 2  # the forward's, and the custom gradient's recomputation
-    step = _recomputing_step(model, xs, ys)
+    step = recomputing_step(model, xs, ys)
     x, y = data(xs, ys)
     g1, g2 = plain_and_step_gradients(model, xs, ys, step, tf.constant(x), tf.constant(y))
     scale = max(float(np.abs(a).max()) for a in g1)
