@@ -1005,12 +1005,63 @@ def test_fit_with_steps_per_execution_and_validation_matches_keras():
     got = model.fit(x, y, **fit).history
     assert model.train_function == step._keras_train_function
     assert sorted(got) == sorted(want) == ["accuracy", "loss", "val_accuracy", "val_loss"]
+    same_fit(ref, model, want, got)
+    assert int(model.optimizer.iterations) == int(ref.optimizer.iterations) == 14
+
+
+def same_fit(ref, model, want, got):
+    """Two fits' histories and resulting variables are equal (to float32 reassociation)."""
+    assert sorted(got) == sorted(want)
     for key in want:
         assert np.allclose(got[key], want[key], rtol=1e-5), (key, got[key], want[key])
-    assert int(model.optimizer.iterations) == int(ref.optimizer.iterations) == 14
     for a, b in zip(ref.variables, model.variables):
         a = np.asarray(a)
-        assert close(a, np.asarray(b), max(1.0, float(np.abs(a).max())))
+        assert close(a, np.asarray(b), max(1.0, float(np.abs(a).max()))), a.shape
+
+
+def test_fit_with_learning_rate_callbacks_checkpoints_and_a_split_matches_keras(tmp_path):
+    """Callbacks that set the learning rate between epochs (a schedule, a plateau rule), stop
+    early, checkpoint and log; ``validation_split`` and ``initial_epoch``. The rewritten step
+    reads the optimizer's learning rate where the update runs, so the history (the rate column
+    included) and the weights equal Keras's; the checkpoint loads as a plain model with the
+    trained weights; evaluate and predict are Keras's own after fit."""
+    def build():
+        keras.utils.set_random_seed(3)
+        model = bn_net(None, compile=False)
+        model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      optimizer=keras.optimizers.SGD(0.05, momentum=0.9), metrics=["accuracy"])
+        return model
+
+    def callbacks(d):
+        d.mkdir()
+        return [keras.callbacks.LearningRateScheduler(lambda epoch, lr: 0.05 * 0.5 ** epoch),
+                # a loss that never falls by 10 is a plateau at every epoch: halves the rate,
+                # and stops the fit after two epochs without improvement
+                keras.callbacks.ReduceLROnPlateau(monitor="loss", factor=0.5, patience=0,
+                                                  min_delta=10),
+                keras.callbacks.EarlyStopping(monitor="loss", patience=1, min_delta=10),
+                keras.callbacks.ModelCheckpoint(str(d / "model.keras")),
+                keras.callbacks.CSVLogger(str(d / "log.csv"))]
+
+    xs, ys = tf.TensorSpec((32, 16, 16, 3)), tf.TensorSpec((32,), tf.int32)
+    x, y = data(xs, ys, n=8 * 32, seed=2)
+    fit = dict(batch_size=32, epochs=5, initial_epoch=1, shuffle=False, verbose=0,
+               validation_split=0.25)
+    ref = build()
+    want = ref.fit(x, y, callbacks=callbacks(tmp_path / "keras"), **fit).history
+    model = build()
+    recomputing_step(model, xs, ys)
+    got = model.fit(x, y, callbacks=callbacks(tmp_path / "ours"), **fit).history
+    assert np.allclose(got["learning_rate"], [0.025, 0.0125])  # set by both callbacks
+    same_fit(ref, model, want, got)
+    assert int(model.optimizer.iterations) == int(ref.optimizer.iterations) == 12
+    assert (tmp_path / "ours" / "log.csv").read_text().count("\n") == 3
+    saved = keras.models.load_model(tmp_path / "ours" / "model.keras")
+    assert "make_train_function" not in saved.__dict__
+    for a, b in zip(saved.variables, model.variables):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+    assert np.allclose(model.evaluate(x, y, verbose=0), ref.evaluate(x, y, verbose=0),
+                       rtol=1e-5)
 
 
 def bn_net(loss, compile=True):
