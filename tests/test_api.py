@@ -459,8 +459,9 @@ def heldout_net(batch=64, hw=32):
 
 def test_heldout_style_model_through_the_public_api():
     """What the held-out check does: 65% of the measured plain peak, profiled costs (the
-    strategy is named so the test does not depend on ``auto``); measured peak within the budget (5% slack), gradients and BatchNorm statistics as
-    the plain step's, model.fit with the compiled metric."""
+    strategy is named so the test does not depend on ``auto``); measured peak within the
+    budget (5% slack), gradients and BatchNorm statistics as the plain step's, model.fit with
+    the compiled metric."""
     from tf_remat.extract import trace_training_step
 
     model, xs, ys = fresh(heldout_net)
