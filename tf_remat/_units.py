@@ -39,7 +39,8 @@ def parse_budget(text, no_remat_peak=None):
                          f"use one of B, kB, MB, GB, KiB, MiB, GiB")
     if not unit and value <= 1.5:
         if no_remat_peak is None:
-            raise ValueError(f"budget {text!r} is a fraction, but no graph peak is known to scale it")
+            raise ValueError(f"budget {text!r} is a fraction, but no graph peak is known "
+                             f"to scale it")
         return int(value * no_remat_peak)
     return int(value * _UNITS[unit])
 

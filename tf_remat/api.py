@@ -161,8 +161,8 @@ def optimize(model, budget_gb: float | None = None, *, budget_bytes: int | None 
         time_order: time the plain step against the graph run in a static order with nothing
             recomputed (3 to 15 paired rounds, no more after 20 s): running any static
             order costs time by itself, since TensorFlow no longer runs independent ops side
-            by side, and the solver's costs do not see it. ``report["predicted_overhead"]`` then counts it
-            with the recomputation (see :class:`OptimizedStep`).
+            by side, and the solver's costs do not see it. ``report["predicted_overhead"]``
+            then counts it with the recomputation (see :class:`OptimizedStep`).
         sample_weight_spec: a ``tf.TensorSpec`` of per-sample weights (``(batch,)`` for
             ``model.fit(class_weight=...)``): the step solved here weighs the loss by them, as
             ``model.fit(sample_weight=...)`` does, so ``fit`` with weights trains with it (a
@@ -1479,7 +1479,8 @@ def _loop_layers(loops) -> str:
 
 
 def _loops_note(loops) -> str:
-    return (f"the step runs {len(loops)} tf.while_loop(s) ({_loop_layers(loops)}) whose trip count is not "
+    return (f"the step runs {len(loops)} tf.while_loop(s) ({_loop_layers(loops)}) "
+            f"whose trip count is not "
             f"static: what such a loop keeps for its gradient is invisible to the plan, which "
             f"counts none of its memory, so only the measured check holds the budget. Give "
             f"the loop a static maximum_iterations (its memory is then counted) or unroll it "

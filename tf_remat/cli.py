@@ -285,7 +285,9 @@ def _plan_line(g, plan) -> str:
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tf-remat", description="tf-remat: rematerialization schedules that make Keras training fit in less memory")
+    p = argparse.ArgumentParser(prog="tf-remat",
+                                description="tf-remat: rematerialization schedules that make "
+                                            "Keras training fit in less memory")
     from tf_remat import __version__
 
     p.add_argument("--version", action="version", version=f"tf-remat {__version__}")
@@ -406,7 +408,8 @@ def _build_parser() -> argparse.ArgumentParser:
                         "with --graph)")
     s.add_argument("--model", default=None, help="zoo model to train (default bn_cnn12)")
     s.add_argument("--batch", type=positive(int), default=None, help="batch size (default 128)")
-    s.add_argument("--epochs", type=positive(int), default=None, help="epochs of model.fit (default 2)")
+    s.add_argument("--epochs", type=positive(int), default=None,
+                   help="epochs of model.fit (default 2)")
     s.add_argument("--strategy", default=None, help="strategy for optimize (default auto)")
     s.add_argument("-o", "--output", default=None,
                    help="memory plot to write (default demo_memory.png)")

@@ -1010,7 +1010,8 @@ def _concurrent_most(temps: dict, members: set, graph) -> int:
 
 def _consumers(op):
     """The ops that read an output of ``op`` or wait for it by a control edge."""
-    return [c for t in op.outputs for c in t.consumers()] + list(op._control_outputs)  # noqa: SLF001
+    return ([c for t in op.outputs for c in t.consumers()]
+            + list(op._control_outputs))  # noqa: SLF001
 
 
 def variable_bytes(var, device_kind: str) -> int:

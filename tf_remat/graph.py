@@ -99,7 +99,8 @@ class Graph:
             if len(val) != n:
                 raise GraphError(f"{key} has {len(val)} entries for {n} nodes")
             put(key, val)
-        names = tuple(str(i) for i in range(n)) if self.names is None else tuple(map(str, self.names))
+        names = (tuple(str(i) for i in range(n)) if self.names is None
+                 else tuple(map(str, self.names)))
         if len(names) != n:
             raise GraphError(f"names has {len(names)} entries for {n} nodes")
         put("names", names)

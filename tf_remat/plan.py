@@ -14,8 +14,9 @@ Example (a 4-node chain):
     >>> from tf_remat.graph import Graph
     >>> g = Graph(cost=(1, 2, 3, 4), memory=(10, 20, 30, 40), edges=((0, 1), (1, 2), (2, 3)))
     >>> steps = steps_from_sequence(g, [0, 1, 2, 3])
-    >>> steps
-    (('compute', 0), ('compute', 1), ('free', 0), ('compute', 2), ('free', 1), ('compute', 3), ('free', 2))
+    >>> steps  # doctest: +NORMALIZE_WHITESPACE
+    (('compute', 0), ('compute', 1), ('free', 0), ('compute', 2), ('free', 1), ('compute', 3),
+     ('free', 2))
     >>> sim = simulate(g, steps)
     >>> sim.peak_memory, sim.cost
     (70, 10.0)
@@ -238,7 +239,8 @@ def simulate(graph: Graph, steps: Sequence) -> Simulation:
         timeline.append(mem)
     never = [v for v in range(n) if not counts[v]]
     if never:
-        raise PlanError(f"the plan never computes {len(never)} node(s), e.g. {graph.label(never[0])}")
+        raise PlanError(f"the plan never computes {len(never)} node(s), "
+                        f"e.g. {graph.label(never[0])}")
     gone = [o for o in graph.outputs if not resident[o]]
     if gone:
         raise PlanError(f"output {graph.label(gone[0])} is not resident at the end of the plan")
@@ -392,7 +394,8 @@ def explain(plan: Plan, graph: Graph, *, limit: int = 20) -> str:
     lines = [
         f"plan {plan.strategy or '?'} for {graph.name}: peak {format_bytes(sim.peak_memory)} "
         f"(budget {format_bytes(plan.budget)}, no-remat {format_bytes(graph.no_remat_peak)}), "
-        f"cost {sim.cost:.6g} ({(sim.cost / graph.total_cost - 1) * 100 if graph.total_cost else 0:.2f}% overhead)",
+        f"cost {sim.cost:.6g} "
+        f"({(sim.cost / graph.total_cost - 1) * 100 if graph.total_cost else 0:.2f}% overhead)",
         f"recomputed {len(recomputed)} of {graph.n} nodes:",
     ]
     for v in recomputed[:limit]:

@@ -8,7 +8,8 @@ Example:
     >>> from tf_remat.generators import linear_graph
     >>> from tf_remat.solvers import solve
     >>> g = linear_graph(16)
-    >>> plans = [solve(g, g.no_remat_peak, "checkpoint-all"), solve(g, g.no_remat_peak, "chen-sqrtn")]
+    >>> plans = [solve(g, g.no_remat_peak, "checkpoint-all"),
+    ...          solve(g, g.no_remat_peak, "chen-sqrtn")]
     >>> plot_memory(g, plans, "/tmp/memory.png")  # doctest: +SKIP
 """
 

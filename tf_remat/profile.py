@@ -468,7 +468,8 @@ class _Overhead:
         return self.cache[k]
 
 
-_SKIP_ATTRS = ("_class", "_output_shapes", "_read_only_resource_inputs", "_has_manual_control_dependencies")
+_SKIP_ATTRS = ("_class", "_output_shapes",
+               "_read_only_resource_inputs", "_has_manual_control_dependencies")
 
 
 class _NodeSpec:

@@ -145,7 +145,8 @@ class EpochLog:
                 peak = (int(tf.config.experimental.get_memory_info(self.device)["peak"])
                         if self.counting else None)
                 times = self._times[1:] if len(self._times) > 2 else self._times
-                self.rows.append({"epoch": epoch + 1, "loss": float((logs or {}).get("loss", "nan")),
+                self.rows.append({"epoch": epoch + 1,
+                                  "loss": float((logs or {}).get("loss", "nan")),
                                   "step_time_s": statistics.median(times) if times else 0.0,
                                   "peak_bytes": peak})
 

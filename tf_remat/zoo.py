@@ -9,7 +9,8 @@ use :func:`get_model` / :func:`model_specs` by name. ``input_size`` is ``H`` or 
 
 Example:
     >>> model, x_spec, y_spec = model_specs("resnet50", batch_size=8)  # doctest: +SKIP
-    >>> graph = tf_remat.extract_graph(model, input_spec=x_spec, label_spec=y_spec)  # doctest: +SKIP
+    >>> graph = tf_remat.extract_graph(model, input_spec=x_spec,  # doctest: +SKIP
+    ...                                label_spec=y_spec)
 """
 
 from __future__ import annotations

@@ -131,7 +131,8 @@ def _line(r):
 def _markdown(rows, args, budget, env):
     what = args.model or args.module
     out = [f"# The path optimize takes to a budget: {what}, batch {args.batch}", "",
-           f"`python tools/bench_budget_path.py {'--model ' + args.model if args.model else '--module ' + args.module} "
+           f"`python tools/bench_budget_path.py "
+           f"{'--model ' + args.model if args.model else '--module ' + args.module} "
            f"--batch {args.batch} --budget-bytes {budget} --factors "
            f"{' '.join(f'{f:g}' for f in args.factors)} --runs {args.runs} --strategy "
            f"{args.strategy} --time-limit {args.time_limit:g}`, "

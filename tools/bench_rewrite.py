@@ -415,12 +415,12 @@ NOTES = """\
   meas** then gives that order's measured price too. **overhead meas**: the median over rounds
   of the rewritten step's time over the plain step's in the same round, - 1 (a slow stretch of
   the machine's load scales a round's steps alike; the ratio of the two medians, this
-  column's figure until now and **overhead from the medians** in the second table, moves when it falls on more rounds of
-  one step). **static meas**: that static-order step, built again here, over the plain step;
-  **recompute meas**: the rewritten step over it, the same way. **copies' kernels**:
-  from a `tf.profiler` trace (3 steps each), the kernel time of the recomputed copies in the
-  rewritten step over the kernel time of the graph's ops in the static-order step: what the
-  recomputation costs where the step runs it, apart from scheduling and this machine's load.
+  column's figure until now and **overhead from the medians** in the second table, moves when it
+  falls on more rounds of one step). **static meas**: that static-order step, built again here,
+  over the plain step; **recompute meas**: the rewritten step over it, the same way. **copies'
+  kernels**: from a `tf.profiler` trace (3 steps each), the kernel time of the recomputed copies
+  in the rewritten step over the kernel time of the graph's ops in the static-order step: what
+  the recomputation costs where the step runs it, apart from scheduling and this machine's load.
 * **grad err**: max |g_rewritten - g_plain| over every gradient, divided by the largest gradient
   value (float32 reassociation: ~1e-7 .. 1e-5 expected).
 * Targets: measured peak within the budget (5% slack) and within 10% of simulated; measured

@@ -32,7 +32,8 @@ t0 = time.perf_counter()
 from tf_remat.generators import transformer_graph
 from tf_remat.plan import simulate
 from tf_remat.solvers import solve
-layers, frac, strategy, limit = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3], float(sys.argv[4])
+layers, frac, strategy, limit = (int(sys.argv[1]), float(sys.argv[2]), sys.argv[3],
+                                 float(sys.argv[4]))
 g = transformer_graph(layers)
 budget = int(frac * g.no_remat_peak)
 t_build = time.perf_counter() - t0

@@ -163,10 +163,10 @@ NOTES = """## How to read this
   allocator's peak during one step, less what was allocated before, plus the variables and the
   batch), the runs back to back in one process.
 * **requested** and **held** come from one more run under TensorFlow's profiler
-  (`tf_remat.api.step_allocations`, on `tf.profiler.experimental`): its MemoryAllocation / MemoryDeallocation events give, for
-  every allocation the step makes, the bytes the kernel *requested* and the bytes of the chunk
-  the allocator *handed out*. The columns are the peak of each sum over the step, plus the
-  variables and the batch.
+  (`tf_remat.api.step_allocations`, on `tf.profiler.experimental`): its MemoryAllocation /
+  MemoryDeallocation events give, for every allocation the step makes, the bytes the kernel
+  *requested* and the bytes of the chunk the allocator *handed out*. The columns are the peak of
+  each sum over the step, plus the variables and the batch.
 * **requested** is the simulator's own quantity: the bytes of the tensors alive at once. It is
   within a few MiB of the simulated peak in every row (-2 to +1.5 MiB in the run below, -2 to
   +3 MiB in an earlier one). The simulator rounds as TensorFlow's CPU statistics do (nothing

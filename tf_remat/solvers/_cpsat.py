@@ -95,7 +95,9 @@ def _child_main() -> int:
     job = json.loads(sys.stdin.read())
 
     def emit(msg):
-        sys.stdout.write(json.dumps(msg, default=lambda o: o.item() if hasattr(o, "item") else str(o)) + "\n")
+        sys.stdout.write(json.dumps(msg,
+                                    default=lambda o: o.item() if hasattr(o, "item") else str(o))
+                         + "\n")
         sys.stdout.flush()
 
     def progress(**kw):

@@ -228,8 +228,8 @@ def staged_hints(graph: Graph, P: Positions, budget: int, *, hint=None, deadline
 
     Returns a list of ``(within, cost, peak, stages, source)``: the greedy eviction heuristic
     with a few score exponents, the gap program (:func:`gap_stages`), the fast baselines (when
-    their plans are staged), and the caller's ``hint`` (repaired into stages when possible). Plans within budget come first,
-    cheapest first; then over-budget ones by peak.
+    their plans are staged), and the caller's ``hint`` (repaired into stages when possible). Plans
+    within budget come first, cheapest first; then over-budget ones by peak.
     """
     found = {}
 
@@ -345,7 +345,8 @@ class Scaling:
         self.mem = np.asarray([m // self.mem_unit for m in mem], dtype=np.int64)
         self.cap = (int(budget) - P.fixed) // self.mem_unit
         cost = P.cost
-        self.exact_cost = bool(np.all(np.floor(cost) == cost)) and float(cost.max(initial=0)) < 2 ** 52
+        self.exact_cost = (bool(np.all(np.floor(cost) == cost))
+                           and float(cost.max(initial=0)) < 2 ** 52)
         if self.exact_cost:
             ci = [int(c) for c in cost]
             gc = 0
