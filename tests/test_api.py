@@ -1010,6 +1010,41 @@ def test_fit_with_steps_per_execution_and_validation_matches_keras():
     assert int(model.optimizer.iterations) == int(ref.optimizer.iterations) == 14
 
 
+
+def test_a_stateful_lstm_carries_its_state_as_keras_does():
+    """``LSTM(stateful=True)`` keeps its state in variables that are not among the model's
+    (Keras assigns them after each forward pass): over three steps from a zero state, a
+    recomputing step's losses, weights and final state equal Keras's ``train_on_batch``; a
+    recomputed forward pass that wrote the state again, or read it after the write, would not."""
+    keras.utils.set_random_seed(2)
+    batch, steps = 16, 24
+    inp = keras.Input((steps, 8), batch_size=batch)
+    h = keras.layers.Conv1D(32, 3, padding="same", activation="relu")(inp)
+    h = keras.layers.LSTM(32, stateful=True, return_sequences=True)(h)
+    h = keras.layers.Dense(32, activation="relu")(h)
+    model = keras.Model(inp, keras.layers.Dense(5)(keras.layers.GlobalAveragePooling1D()(h)))
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  optimizer=keras.optimizers.SGD(0.1))
+    xs, ys = tf.TensorSpec((batch, steps, 8)), tf.TensorSpec((batch,), tf.int32)
+    step = recomputing_step(model, xs, ys)
+    state = list(model.get_layer(index=2).states)
+    assert not any(any(s is v for v in model.variables) for s in state)
+    batches = [data(xs, ys, seed=s) for s in range(3)]
+    batches = [(x, y % 5) for x, y in batches]
+    snap = Snapshot(list(model.variables) + list(model.optimizer.variables) + state)
+    runs = []
+    for train in (model.train_on_batch, step):
+        snap.restore()
+        for s in state:
+            s.assign(tf.zeros_like(s))
+        runs.append(([float(train(x, y)) for x, y in batches], snap.now()))
+    snap.restore()
+    (l1, w1), (l2, w2) = runs
+    assert np.allclose(l1, l2, rtol=1e-5), (l1, l2)
+    assert min(float(np.abs(a).max()) for a in w1[-len(state):]) > 0.1  # the state moved
+    for a, b in zip(w1, w2):
+        assert close(a, b, max(1.0, float(np.abs(a).max()))), np.abs(a - b).max()
+
 def same_fit(ref, model, want, got):
     """Two fits' histories and resulting variables are equal (to float32 reassociation)."""
     assert sorted(got) == sorted(want)
