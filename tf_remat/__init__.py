@@ -25,7 +25,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Graph", "Plan", "Schedule", "load_graph", "load_plan", "simulate", "explain",
     "solve", "get_strategy", "available_strategies",
-    "optimize", "extract_graph", "max_batch_size",
+    "optimize", "measure_peak", "extract_graph", "max_batch_size",
     "RematError", "GraphError", "PlanError", "InfeasibleBudgetError", "UnsupportedOpError",
     "SolverTimeoutError", "StrategyError", "errors",
 ]
@@ -33,6 +33,7 @@ __all__ = [
 # TensorFlow-backed entry points, imported lazily so the core stays TensorFlow-free.
 _LAZY = {
     "optimize": ("tf_remat.api", "optimize"),
+    "measure_peak": ("tf_remat.api", "measure_peak"),
     "extract_graph": ("tf_remat.extract", "extract_graph"),
     "max_batch_size": ("tf_remat.batch", "max_batch_size"),
 }

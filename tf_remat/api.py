@@ -27,8 +27,8 @@ from typing import Any
 from tf_remat._units import format_bytes
 from tf_remat.errors import InfeasibleBudgetError, RematError, UnsupportedOpError, warn
 
-__all__ = ["optimize", "OptimizedStep", "detach", "measure_step_peak", "step_allocations",
-           "solve_isolated"]
+__all__ = ["optimize", "measure_peak", "OptimizedStep", "detach", "measure_step_peak",
+           "step_allocations", "solve_isolated"]
 
 #: attempts at meeting the budget as measured (each solves again with a lower budget)
 _MAX_ATTEMPTS = 6
@@ -199,39 +199,14 @@ def optimize(model, budget_gb: float | None = None, *, budget_bytes: int | None 
         >>> loss = step(x, y)                                                    # doctest: +SKIP
         >>> model.fit(dataset.batch(32), epochs=3)   # trains with the step    # doctest: +SKIP
     """
-    import keras
-
-    from tf_remat.extract import check_specs, overrides_train_step
     from tf_remat.rewrite import CHAINS
     from tf_remat.solvers import check_time_limit
 
     # each argument checked before minutes of tracing and profiling, not after
-    if not isinstance(model, keras.Model):
-        kind = type(model).__module__.split(".")[0]
-        raise TypeError(f"model must be a Keras 3 model (keras.Model, TensorFlow backend), got "
-                        f"{type(model).__name__}"
-                        + (" from tf_keras (Keras 2): build it with keras 3's layers"
-                           if kind == "tf_keras" else ""))
-    if keras.backend.backend() != "tensorflow":
-        raise UnsupportedOpError(f"tf-remat rewrites TensorFlow training steps, and Keras runs "
-                                 f"on the {keras.backend.backend()!r} backend: set "
-                                 f"KERAS_BACKEND=tensorflow before keras is imported")
     if chain not in CHAINS:
         raise ValueError(f"chain must be one of {CHAINS}, got {chain!r}")
-    if train_step is None:
-        train_step = overrides_train_step(model) is not None
-    if label_spec is None:
-        # a train_step may take unlabeled batches (an autoencoder, a GAN): fit passes it x
-        if not train_step:
-            raise UnsupportedOpError(
-                "label_spec is None: Keras's default step computes its loss from labels; give "
-                "label_spec=tf.TensorSpec(...) (the labels' shape, with the batch size), or "
-                "train a model whose own train_step takes unlabeled batches")
-        if sample_weight_spec is not None:
-            raise UnsupportedOpError("sample_weight_spec weighs labeled samples: give "
-                                     "label_spec too, or leave sample_weight_spec None")
-        label_spec = ()
-    check_specs(input_spec, label_spec)
+    train_step, label_spec = _check_model_and_specs(model, input_spec, label_spec, train_step,
+                                                    sample_weight_spec)
     check_time_limit(time_limit)
     budget = _budget_bytes(budget_gb, budget_bytes)
     strategy = _resolve_strategy(strategy, verbose)
@@ -249,6 +224,81 @@ def optimize(model, budget_gb: float | None = None, *, budget_bytes: int | None 
     if attach:
         step.attach()
     return step
+
+
+def _check_model_and_specs(model, input_spec, label_spec, train_step, sample_weight_spec=None):
+    """Refuse a model or specs no step can be traced from; ``(train_step, label_spec)`` resolved
+    as :func:`optimize` takes them (``label_spec=None``: no labels, ``()``)."""
+    import keras
+
+    from tf_remat.extract import check_specs, overrides_train_step
+
+    if not isinstance(model, keras.Model):
+        kind = type(model).__module__.split(".")[0]
+        raise TypeError(f"model must be a Keras 3 model (keras.Model, TensorFlow backend), got "
+                        f"{type(model).__name__}"
+                        + (" from tf_keras (Keras 2): build it with keras 3's layers"
+                           if kind == "tf_keras" else ""))
+    if keras.backend.backend() != "tensorflow":
+        raise UnsupportedOpError(f"tf-remat rewrites TensorFlow training steps, and Keras runs "
+                                 f"on the {keras.backend.backend()!r} backend: set "
+                                 f"KERAS_BACKEND=tensorflow before keras is imported")
+    if train_step is None:
+        train_step = overrides_train_step(model) is not None
+    if label_spec is None:
+        # a train_step may take unlabeled batches (an autoencoder, a GAN): fit passes it x
+        if not train_step:
+            raise UnsupportedOpError(
+                "label_spec is None: Keras's default step computes its loss from labels; give "
+                "label_spec=tf.TensorSpec(...) (the labels' shape, with the batch size), or "
+                "train a model whose own train_step takes unlabeled batches")
+        if sample_weight_spec is not None:
+            raise UnsupportedOpError("sample_weight_spec weighs labeled samples: give "
+                                     "label_spec too, or leave sample_weight_spec None")
+        label_spec = ()
+    check_specs(input_spec, label_spec)
+    return bool(train_step), label_spec
+
+
+def measure_peak(model, *, input_spec, label_spec, loss=None, optimizer=None,
+                 train_step: bool | None = None, runs: int | None = None) -> int:
+    """The measured peak memory of ``model``'s plain training step, in bytes, as
+    :func:`optimize`'s budget counts it: the step ``model.fit`` would run (no
+    rematerialization), on a synthetic batch of the specs' shapes, on the device TensorFlow
+    uses; weights, optimizer slots, the batch and activations; memory the process holds for
+    other purposes not counted. The variables (the optimizer's included) are saved before and
+    restored after, so the model is left as it was.
+
+    The allocator's measured peak moves with what was allocated before the step (see
+    :func:`measure_step_peak`), so the step is run in the layouts :func:`optimize` verifies
+    plans in and the worst counts: a budget that is a fraction of this figure is that fraction
+    of what the plain step can take.
+
+    Args:
+        model, input_spec, label_spec, loss, optimizer, train_step: as :func:`optimize` takes
+            them (the model compiled, or ``loss`` and ``optimizer`` given).
+        runs: measured runs per layout (default: as many as ``optimize`` verifies with).
+
+    Example:
+        >>> peak = tf_remat.measure_peak(model, input_spec=xs, label_spec=ys)  # doctest: +SKIP
+        >>> step = tf_remat.optimize(model, budget_bytes=int(0.6 * peak),    # doctest: +SKIP
+        ...                          input_spec=xs, label_spec=ys)
+    """
+    from tf_remat.extract import extract, trace_training_step
+    from tf_remat.profile import synthetic_batch
+
+    train_step, label_spec = _check_model_and_specs(model, input_spec, label_spec, train_step)
+    # the largest value sizes the layouts, as optimize's verification sizes them
+    graph = extract(model, input_spec=input_spec, label_spec=label_spec, loss=loss,
+                    optimizer=optimizer, cost_model="flops", verbose=0,
+                    train_step=train_step).graph
+    plain = trace_training_step(model, input_spec, label_spec, loss=loss, optimizer=optimizer,
+                                conv_gradients="tensorflow", train_step=train_step)
+    x, y = synthetic_batch(input_spec, label_spec)
+    m = measure_step_peak(plain.function, x, y, variables=plain.variables,
+                          runs=_MEASURE_RUNS if runs is None else max(1, int(runs)),
+                          ballast=verification_layouts(max(graph.memory) if graph.n else 0))
+    return int(m["step_peak_bytes"])
 
 
 def detach(model) -> bool:
