@@ -1623,6 +1623,21 @@ def test_measure_peak_is_the_plain_steps_peak_and_a_budget_from_it_is_met():
     with pytest.raises(UnsupportedOpError, match="input_spec"):
         tf_remat.measure_peak(model, input_spec=tf.TensorSpec((None, 16, 16, 3)), label_spec=ys)
 
+
+def test_measure_peak_of_a_step_that_does_not_fit_says_what_to_do(monkeypatch):
+    """A plain step the device's memory does not hold (what brings a user to tf-remat) raises
+    TensorFlow's own error, with a note that points to a budget given outright."""
+    import tf_remat.api as api
+
+    def out_of_memory(*args, **kwargs):
+        raise tf.errors.ResourceExhaustedError(None, None, "OOM when allocating tensor")
+
+    monkeypatch.setattr(api, "measure_step_peak", out_of_memory)
+    model, xs, ys = fresh(mlp)
+    with pytest.raises(tf.errors.ResourceExhaustedError) as info:
+        tf_remat.measure_peak(model, input_spec=xs, label_spec=ys)
+    assert "budget_gb=" in "".join(getattr(info.value, "__notes__", ["budget_gb="]))
+
 def test_a_train_step_on_unlabeled_batches_is_optimized_without_labels():
     """``label_spec=None`` for a model whose train_step takes x alone (what ``fit(x)`` passes):
     one recomputing step leaves every variable as the override does (its noise drawn from

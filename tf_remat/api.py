@@ -279,11 +279,17 @@ def measure_peak(model, *, input_spec, label_spec, loss=None, optimizer=None,
             them (the model compiled, or ``loss`` and ``optimizer`` given).
         runs: measured runs per layout (default: as many as ``optimize`` verifies with).
 
+    Raises:
+        tf.errors.ResourceExhaustedError: the plain step does not fit in the device's memory
+            (a note says to give ``optimize`` the budget itself).
+
     Example:
         >>> peak = tf_remat.measure_peak(model, input_spec=xs, label_spec=ys)  # doctest: +SKIP
         >>> step = tf_remat.optimize(model, budget_bytes=int(0.6 * peak),    # doctest: +SKIP
         ...                          input_spec=xs, label_spec=ys)
     """
+    import tensorflow as tf
+
     from tf_remat.extract import extract, trace_training_step
     from tf_remat.profile import synthetic_batch
 
@@ -295,9 +301,18 @@ def measure_peak(model, *, input_spec, label_spec, loss=None, optimizer=None,
     plain = trace_training_step(model, input_spec, label_spec, loss=loss, optimizer=optimizer,
                                 conv_gradients="tensorflow", train_step=train_step)
     x, y = synthetic_batch(input_spec, label_spec)
-    m = measure_step_peak(plain.function, x, y, variables=plain.variables,
-                          runs=_MEASURE_RUNS if runs is None else max(1, int(runs)),
-                          ballast=verification_layouts(max(graph.memory) if graph.n else 0))
+    try:
+        m = measure_step_peak(plain.function, x, y, variables=plain.variables,
+                              runs=_MEASURE_RUNS if runs is None else max(1, int(runs)),
+                              ballast=verification_layouts(max(graph.memory) if graph.n else 0))
+    except tf.errors.ResourceExhaustedError as exc:
+        # the case tf-remat is for: the error stays TensorFlow's (callers catch it), and says
+        # what to do instead
+        if hasattr(exc, "add_note"):
+            exc.add_note("tf-remat: Keras's step does not fit in this device's memory, so its "
+                         "peak cannot be measured here; give optimize the budget itself "
+                         "(budget_gb=: the device's memory less what else it holds)")
+        raise
     return int(m["step_peak_bytes"])
 
 
