@@ -1,7 +1,7 @@
 """tf-remat: rematerialization schedules that make TensorFlow/Keras training fit in less memory.
 
-The core (graphs, strategies, plans) imports no TensorFlow; ``optimize``, ``extract_graph`` and
-``max_batch_size`` load it on first use.
+The core (graphs, strategies, plans) imports no TensorFlow; ``optimize``, ``measure_peak``,
+``extract_graph`` and ``max_batch_size`` load it on first use.
 """
 
 import os as _os
