@@ -1088,7 +1088,9 @@ def test_fit_with_learning_rate_callbacks_checkpoints_and_a_split_matches_keras(
     model = build()
     recomputing_step(model, xs, ys)
     got = model.fit(x, y, callbacks=callbacks(tmp_path / "ours"), **fit).history
-    assert np.allclose(got["learning_rate"], [0.025, 0.0125])  # set by both callbacks
+    assert np.allclose(got["learning_rate"], [0.025, 0.0125])  # the schedule's, each epoch
+    # ... and the plateau rule's halving after the last epoch
+    assert np.isclose(float(model.optimizer.learning_rate), 0.00625)
     same_fit(ref, model, want, got)
     assert int(model.optimizer.iterations) == int(ref.optimizer.iterations) == 12
     assert (tmp_path / "ours" / "log.csv").read_text().count("\n") == 3
