@@ -341,6 +341,35 @@ def bilstm(batch=32, steps=64, features=32):
     return model, tf.TensorSpec((batch, steps, features)), tf.TensorSpec((batch,), tf.int32)
 
 
+def lstmconv(batch=32, steps=128, vocab=1000, dim=128):
+    """Embedding, a Bidirectional LSTM whose output later blocks concatenate back in, Dense +
+    BatchNorm, Conv1D + BatchNorm + SpatialDropout1D residual blocks, GlobalMaxPooling1D,
+    Dropout, SGD: a random sequence model of a search for gaps (the loop's many small
+    TensorList buffers beside 2 MiB activations put its first plans 25-36% over their
+    prediction, and the re-solve after them far under the target)."""
+    import keras
+    import tensorflow as tf
+
+    inp = keras.Input((steps,), dtype="int32")
+    e = keras.layers.Embedding(vocab, dim)(inp)
+    r = keras.layers.Bidirectional(keras.layers.LSTM(dim // 2, return_sequences=True))(e)
+    h = r
+    for _ in range(2):
+        h = keras.layers.Dense(dim)(keras.layers.Concatenate()([h, e]))
+        h = keras.layers.BatchNormalization()(h)
+    for _ in range(2):
+        c = keras.layers.Conv1D(dim, 5, padding="causal", dilation_rate=2)(h)
+        c = keras.layers.SpatialDropout1D(0.1)(
+            keras.layers.Activation("relu")(keras.layers.BatchNormalization()(c)))
+        h = keras.layers.Dense(dim)(keras.layers.Concatenate()([keras.layers.Add()([c, h]), r]))
+        h = keras.layers.BatchNormalization()(h)
+    h = keras.layers.Dropout(0.3)(keras.layers.GlobalMaxPooling1D()(h))
+    model = keras.Model(inp, keras.layers.Dense(10)(h), name="lstmconv")
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  optimizer=keras.optimizers.SGD(0.01, momentum=0.9), metrics=["accuracy"])
+    return model, tf.TensorSpec((batch, steps), tf.int32), tf.TensorSpec((batch,), tf.int32)
+
+
 def textcnn(batch=32, steps=128, vocab=2000):
     """Token ids through an Embedding, three dilated Conv1D residual blocks (BatchNorm, GELU,
     Dropout), LayerNorm, max and mean pooling concatenated, RMSprop: the embedding's gradient
@@ -1256,7 +1285,7 @@ MODELS = {"resdrop": resdrop, "unet_bn": unet_bn, "densenet": densenet,
           "masked": masked, "convlstm": convlstm, "specnorm": specnorm,
           "onehot": onehot, "segment": segment, "binary": binary, "mha": mha,
           "seqcnn": seqcnn, "convnext": convnext, "attention": attention,
-          "constrained": constrained, "augpenalty": augpenalty,
+          "constrained": constrained, "augpenalty": augpenalty, "lstmconv": lstmconv,
           **VARIANTS, **APPLICATIONS}
 
 
