@@ -775,6 +775,50 @@ def test_independent_loops_run_side_by_side_under_the_node_chain():
     assert serial.info["runs"] is None
 
 
+def test_a_run_of_scratch_space_alone_keeps_the_chain_and_every_side_effect():
+    """A kernel's scratch space is a node without ops (``extract.with_workspace_nodes``). When
+    such a node made a run of its own, the barrier after it had nothing to wait for and cut
+    the chain: TensorFlow pruned the updates before the cut, which no output waited for any
+    more (a BiLSTM model's BatchNorm statistics and dropout seeds stayed as they were; its
+    loops overlap, so its node chain orders runs). Every compute its own run here, so every
+    scratch node is one; every update is still an ancestor of the outputs, and a graph that
+    drops one is refused rather than run."""
+    from tf_remat.errors import RematError
+    from tf_remat.extract import _is_side_effect
+    from tf_remat.rewrite import _check_side_effects_kept, build_graph_def
+
+    ex = extracted("skip_cnn")
+    g, op_of = ex.graph, ex.traced.function.graph.get_operation_by_name
+    seq = list(plan_for(ex, 0.6).sequence)
+    # an update nothing reads (a BatchNorm statistic's, an optimizer's) moved, as late is
+    # always valid for it, to just before a scratch node: the BiLSTM plan's position
+    updates = [v for v in seq if not g.succs[v] and
+               any(_is_side_effect(op_of(o).type) for o in ex.op_map.nodes[v])]
+    scratch = [p for p, v in enumerate(seq) if not ex.op_map.nodes[v]]
+    assert scratch, "skip_cnn's convolutions have scratch space"
+    u = next(v for v in updates if seq.index(v) < scratch[-1])
+    w = seq[scratch[-1]]
+    seq.remove(u)
+    seq.insert(seq.index(w), u)
+    runs = tuple(range(len(seq)))
+    gd, outputs, tails, _ = build_graph_def(ex.traced, ex.op_map, seq, chain="run", runs=runs)
+    inputs = {nd.name: [i.lstrip("^").split(":")[0] for i in nd.input] for nd in gd.node}
+    seen, todo = set(), [r.split(":")[0] for r in list(outputs) + list(tails)]
+    while todo:
+        a = todo.pop()
+        if a not in seen:
+            seen.add(a)
+            todo.extend(inputs.get(a, ()))
+    updates = [nd.name for nd in gd.node if _is_side_effect(nd.op)]
+    assert len(updates) > 10 and all(u in seen for u in updates)
+    # an update nothing waits for is refused
+    orphan = gd.node.add()
+    orphan.CopyFrom(next(nd for nd in gd.node if nd.op == "AssignVariableOp"))
+    orphan.name = "orphan_update"
+    with pytest.raises(RematError, match="orphan_update"):
+        _check_side_effects_kept(gd, outputs, tails, lambda r: (r.lstrip("^").split(":")[0], 0))
+
+
 def test_run_chain_runs_the_plan_and_orders_only_the_runs():
     """``chain="run"``: the same step as the original; every op of a run follows every last op
     of the previous run (so the plan's memory bound holds whatever order the runtime picks

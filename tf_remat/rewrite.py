@@ -66,7 +66,7 @@ import time
 from typing import Any
 
 from tf_remat.errors import PlanError, RematError
-from tf_remat.extract import (CHAIN_SUM, _VARIABLE_UPDATE_RE, _loop_function,
+from tf_remat.extract import (CHAIN_SUM, _VARIABLE_UPDATE_RE, _is_side_effect, _loop_function,
                               loop_resource_passthrough)
 from tf_remat.plan import (Plan, adjoin, concurrent_groups, defer, simulate,
                            steps_from_sequence)
@@ -453,9 +453,12 @@ def build_graph_def(traced, op_map, sequence, *, chain: str = "op", runs=None):
     run_tails = []            # chain "run": tails of the members of the current run so far
     barriers = 0
     for pos, v in enumerate(sequence):
-        if order == "run" and (pos == 0 or runs[pos] != runs[pos - 1]):
+        if order == "run" and (pos == 0 or runs[pos] != runs[pos - 1]) and run_tails:
             # a new run: its members follow every member of the previous run, through one
-            # NoOp when there are several (heads x tails control edges otherwise)
+            # NoOp when there are several (heads x tails control edges otherwise). A run of
+            # scratch-space nodes alone (no ops) leaves the chain where it was: an empty
+            # barrier after it cut the chain, and TensorFlow pruned the side effects before
+            # the cut (BatchNorm statistics and dropout seed updates of a BiLSTM model)
             prev_tail = _barrier(out, f"tf_remat/run{runs[pos]}", run_tails, markers, op_of)
             barriers += len(set(run_tails)) > 1
             run_tails = []
@@ -587,6 +590,7 @@ def build_graph_def(traced, op_map, sequence, *, chain: str = "op", runs=None):
     for t in op_map.outputs:
         r = resolve(t, None, 0)
         outputs.append(r if ":" in r else r + ":0")
+    _check_side_effects_kept(out, outputs, prev_tail, parse)
     info = {"node_ops": sum(len(o) for o in op_map.nodes), "ops_emitted": emitted,
             "recomputed_ops": emitted - sum(len(o) for o in op_map.nodes),
             "fixed_ops": len(fixed), "chain": chain, "chain_edges": chain_edges,
@@ -598,6 +602,28 @@ def build_graph_def(traced, op_map, sequence, *, chain: str = "op", runs=None):
             "run_barriers": barriers if order == "run" else None,
             "tails": list(prev_tail)}
     return out, outputs, prev_tail, info
+
+
+def _check_side_effects_kept(out, outputs, tails, parse):
+    """Raise when a variable update of the new graph is not an ancestor of its outputs or its
+    last ops: TensorFlow prunes such an op, and the step would silently skip it. (An empty
+    barrier once cut the chain after a run of scratch-space nodes, and a BiLSTM model's
+    BatchNorm statistics and dropout seeds were not updated.)"""
+    inputs = {nd.name: nd.input for nd in out.node}
+    seen = set()
+    stack = [parse(r)[0] for r in list(outputs) + list(tails)]
+    while stack:
+        name = stack.pop()
+        if name in seen or name not in inputs:
+            continue
+        seen.add(name)
+        stack.extend(parse(r)[0] for r in inputs[name])
+    lost = [nd.name for nd in out.node
+            if _is_side_effect(nd.op) and nd.name not in seen]
+    if lost:
+        raise RematError(f"the rewritten step would skip {len(lost)} side effect(s) that no "
+                         f"output waits for, e.g. {lost[:3]}; this is a bug in tf-remat's "
+                         f"rewrite (chain the plan with chain='op' to work around it)")
 
 
 def _import(traced, gd, outputs, tails):
