@@ -613,6 +613,9 @@ def test_a_bidirectional_rnn_overlaps_its_loops_and_prices_what_it_does_not():
     # the plan is the static order (nothing recomputed, the loops overlapped): its price
     if step.plan.cost == pytest.approx(g.total_cost) and 0 < share < 1:
         assert rep["predicted_overhead"] == pytest.approx(s)
+    # the summary's two parts compose to the prediction
+    order = (1 + rep["predicted_overhead"]) / (1 + rep["recompute_overhead"]) - 1
+    assert f"loops overlapped where the memory allows {100 * order:+.1f}%" in step.summary()
     x, y = data(xs, ys)
     g1, g2 = plain_and_step_gradients(model, xs, ys, step, tf.constant(x), tf.constant(y))
     scale = max(float(np.abs(g).max()) for g in g1)

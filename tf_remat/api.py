@@ -526,14 +526,22 @@ class OptimizedStep:
         r = self.report
         meas = (f", measured {format_bytes(r['measured_peak_bytes'])}"
                 if "measured_peak_bytes" in r else "")
+        parts = ""
+        if "static_order_overhead" in r:
+            rc = r["recompute_overhead"] or 0
+            if "serial_order_overhead" in r:
+                # the order's price is the plan's here: its loops overlap only where its
+                # memory allows, so the parts compose to the prediction only as a whole
+                order = (1 + (r["predicted_overhead"] or 0)) / (1 + rc) - 1
+                what = "static order, loops overlapped where the memory allows"
+            else:
+                order, what = r["static_order_overhead"], "static order"
+            parts = f" (recomputation {100 * rc:.1f}%, {what} {100 * order:+.1f}%)"
         return (f"tf-remat: {r['strategy']} plan for budget {format_bytes(r['budget_bytes'])}: "
                 f"predicted peak {format_bytes(r['predicted_peak_bytes'])}{meas} "
                 f"(no rematerialization {format_bytes(r['baseline_peak_bytes'])}), "
                 f"{r['recomputed_nodes']} of {r['nodes']} nodes recomputed, predicted overhead "
-                f"{100 * (r['predicted_overhead'] or 0):.1f}%" + (
-                    f" (recomputation {100 * (r['recompute_overhead'] or 0):.1f}%, static order "
-                    f"{100 * r['static_order_overhead']:+.1f}%)"
-                    if "static_order_overhead" in r else ""))
+                f"{100 * (r['predicted_overhead'] or 0):.1f}%{parts}")
 
     def measure(self, x=None, y=None, *, runs: int = 1) -> dict:
         """Run the step on ``(x, y)`` (synthetic when None) with the variables saved and restored;
