@@ -16,8 +16,8 @@ measured again in allocation histories ``optimize`` never saw:
   Keras step already ran (``model.train_on_batch``), the rewritten step's first call timed.
 
 The worst of these over the budget is what a user can see; the check allows 5% slack. The
-gradients (``step.gradients`` vs the plain step's, same state and batch) and the BatchNorm
-moving statistics after one step are compared too.
+gradients (``step.gradients`` vs the plain step's, same state and batch), the BatchNorm
+moving statistics and every variable a step changes, after one step, are compared too.
 
 Usage:
     python tools/bench_heldout.py                    # every model
@@ -1359,15 +1359,52 @@ def _rounding_spread(run, variables, x, y) -> float:
             for v, s in zip(variables, saved):
                 v.assign(s)
 
+    g1, g2 = grads(x), grads(_nudged(x))
+    scale = max(float(np.abs(g).max()) for g in g1)
+    return max(float(np.abs(a - b).max()) for a, b in zip(g1, g2)) / scale
+
+
+def _nudged(x):
+    """The inputs with each float value times 1 + eps/2 with a random sign (fixed seed)."""
+    import numpy as np
+    import tensorflow as tf
+
     def nudge(t):
         if not t.dtype.is_floating:
             return t
         sign = tf.sign(tf.random.stateless_normal(t.shape, [7, 11], dtype=t.dtype))
         return t * (1 + sign * np.finfo(t.dtype.as_numpy_dtype).eps / 2)
 
-    g1, g2 = grads(x), grads(tf.nest.map_structure(nudge, x))
-    scale = max(float(np.abs(g).max()) for g in g1)
-    return max(float(np.abs(a - b).max()) for a, b in zip(g1, g2)) / scale
+    return tf.nest.map_structure(nudge, x)
+
+
+def _tracked(model) -> list:
+    """Every variable a training step can change: the model's (seed generators' states
+    included), its optimizer's and its metrics'."""
+    found = list(model.variables) + list(model.optimizer.variables)
+    found += list(getattr(model, "metrics_variables", []))
+    return list({id(v): v for v in found}.values())
+
+
+def _state_err(before, plain, other, names):
+    """The worst variable's max |plain - other| over how far the plain step moved it, and its
+    name. An integer variable (iterations, seed states) is 0 or 1: equal or not; a variable the
+    plain step left alone and the other changed is 1."""
+    import numpy as np
+
+    worst, where = 0.0, None
+    for name, b, p, o in zip(names, before, plain, other):
+        if p.size == 0:
+            continue
+        if not np.issubdtype(p.dtype, np.floating):
+            err = float(not np.array_equal(p, o))
+        else:
+            diff = float(np.abs(p.astype(np.float64) - o).max())
+            move = float(np.abs(p.astype(np.float64) - b).max())
+            err = 0.0 if diff == 0 else (diff / move if move else 1.0)
+        if err > worst:
+            worst, where = err, name
+    return worst, where
 
 
 def _fragmented(step, x, y, big, seed=0):
@@ -1457,7 +1494,8 @@ def run_case(name, fractions, time_limit, plans=None, weighted=False):
         big = max(step.graph.memory)
         row["fresh"] = max(step.measure(x, y)["step_peak_bytes"] for _ in range(3))
         # gradients and BatchNorm statistics against the plain step, same state and batch
-        variables = list({id(v): v for v in list(ref.variables) +
+        tracked = _tracked(model)
+        variables = list({id(v): v for v in tracked + list(ref.variables) +
                           list(gref.variables if gref is not None else []) +
                           list(wref.variables) +
                           list(step.rewritten.traced.variables)}.values())
@@ -1496,6 +1534,19 @@ def run_case(name, fractions, time_limit, plans=None, weighted=False):
         # before, a BiLSTM model's skipped updates of 1e-5-sized moving means read 8.3e-5)
         row["bn_err"] = (max(float(np.abs(b - c).max()) / max(float(np.abs(b - a).max()), 1e-30)
                              for a, b, c in zip(s0, s1, s2)) if s1 else None)
+        # everything one step changes, each variable over its own move: weights, optimizer
+        # slots and iterations, BatchNorm statistics, seed generators, metrics; against the
+        # same measure for the plain step on inputs moved by one rounding step
+        before = [np.array(v.numpy(), copy=True) for v in tracked]
+        after = []
+        for run_step in (lambda: wref.function(x, yw), lambda: step(x, y, sample_weight=w),
+                         lambda: wref.function(_nudged(x), yw)):
+            run_step()
+            after.append([np.array(v.numpy(), copy=True) for v in tracked])
+            restore()
+        names = [getattr(v, "path", None) or v.name for v in tracked]
+        row["state_err"], row["state_var"] = _state_err(before, after[0], after[1], names)
+        row["state_rounding"], _ = _state_err(before, after[0], after[2], names)
         xt, yt = _data(xs, ys, model, n=3 * _batch(xs), seed=5)
         classes = int(np.max(tf.nest.flatten(yt)[0])) + 1
         hist = model.fit(xt, yt, batch_size=_batch(xs), epochs=2, verbose=0, shuffle=False,
@@ -1561,20 +1612,21 @@ HISTORIES = ("verified", "fresh", "after_fit", "fragmented")
 def table(results, firsts) -> str:
     lines = ["| model | batch | plain peak MiB | budget | budget MiB | status | strategy | "
              "simulated MiB | verified | fresh | after fit | fragmented | first call | "
-             "worst/budget | grad err | rounding | BN stats err | fit | solve+verify s |",
-             "|" + "---|" * 19]
+             "worst/budget | grad err | rounding | BN stats err | state err | state rounding | "
+             "fit | solve+verify s |",
+             "|" + "---|" * 21]
     first = {(f["model"], f["fraction"]): f for f in firsts if "first_call" in f}
     refused = {(f["model"], f["fraction"]) for f in firsts if "refused" in f}
     for res in results:
         if "error" in res:
-            lines.append(f"| {res['model']} | | error: {res['error'][:120]} |" + " |" * 16)
+            lines.append(f"| {res['model']} | | error: {res['error'][:120]} |" + " |" * 18)
             continue
         for r in res["rows"]:
             head = (f"| {res['model']} | {res['batch']} | {res['baseline_peak'] / MIB:.0f} | "
                     f"{100 * r['fraction']:.0f}% | {r['budget'] / MIB:.0f} |")
             if r["status"] == "infeasible":
                 lines.append(f"{head} infeasible (smallest reachable "
-                             f"{r['min_feasible'] / MIB:.0f} MiB) |" + " |" * 13)
+                             f"{r['min_feasible'] / MIB:.0f} MiB) |" + " |" * 15)
                 continue
             b = r["budget"]
             cols = [r[h] / b for h in HISTORIES]
@@ -1588,9 +1640,13 @@ def table(results, firsts) -> str:
                   "refused" if (res["model"], r["fraction"]) in refused else "n/a")
             bn = "n/a" if r["bn_err"] is None else f"{r['bn_err']:.1e}"
             rnd = f"{res['rounding']:.1e}" if "rounding" in res else "n/a"
+            st = f"{r['state_err']:.1e}"
+            if r["state_err"] > 1e-2:  # name it where it is more than reassociation
+                st += f" ({r['state_var']})"
             lines.append(
                 f"{head} {r['status']} | {r['strategy']} | {r['simulated'] / MIB:.0f} | "
                 f"{cells} | {fc} | {worst:.2f}{flag} | {r['grad_err']:.1e} | {rnd} | {bn} | "
+                f"{st} | {r['state_rounding']:.1e} | "
                 f"{'ok' if r['fit_loss_finite'] else 'NaN'} | {r['seconds']:.0f} |")
     return "\n".join(lines)
 
@@ -1617,6 +1673,14 @@ NOTES = """\
   float32 reassociation: up to ~1e-3, where one unit in the last place of a moving variance
   near 1 is a sizable share of a small move; before 2026-12-06 over the largest statistic,
   which a skipped update of a small moving mean passed at 8.3e-5).
+  **state err**: everything one step of each changes (trainable weights, optimizer slots and
+  iteration count, BatchNorm statistics, seed generators' states, metrics), the worst
+  variable's max |difference| over how far the plain step moved it, named when over 1e-2;
+  an integer variable (iterations, seeds) counts 1 unless equal, so 1.0 there is a skipped or
+  doubled update; **state rounding** is the same measure for the plain step on inputs moved by
+  one rounding step (as for **rounding**): an optimizer that divides by a gradient's size (Adam)
+  turns rounding in gradients near zero into whole-size differences in their updates, so a
+  state err near the state rounding is rounding, not a wrong update.
   **rounding**: how far the plain step's gradients move (same measure as grad err) when every
   input value moves by at most one float32 rounding step (about half of them by one unit in
   the last place): the size of rounding in this model's
