@@ -1348,7 +1348,6 @@ def _rounding_spread(run, variables, x, y) -> float:
     BatchNorm can turn those last bits into gradients 1e-4 apart (``grouped``); an error far
     above this figure would be a wrong value, not rounding."""
     import numpy as np
-    import tensorflow as tf
 
     saved = [np.array(v.numpy(), copy=True) for v in variables]
 
@@ -1539,9 +1538,10 @@ def run_case(name, fractions, time_limit, plans=None, weighted=False):
         # same measure for the plain step on inputs moved by one rounding step
         before = [np.array(v.numpy(), copy=True) for v in tracked]
         after = []
-        for run_step in (lambda: wref.function(x, yw), lambda: step(x, y, sample_weight=w),
-                         lambda: wref.function(_nudged(x), yw)):
-            run_step()
+        for fn, args, kwargs in ((wref.function, (x, yw), {}),
+                                 (step, (x, y), {"sample_weight": w}),
+                                 (wref.function, (_nudged(x), yw), {})):
+            fn(*args, **kwargs)
             after.append([np.array(v.numpy(), copy=True) for v in tracked])
             restore()
         names = [getattr(v, "path", None) or v.name for v in tracked]
