@@ -1272,3 +1272,42 @@ def test_a_decoupled_weight_decay_runs_with_its_gradient_update():
     requested = requested_peak(step, x, y, ex.traced.variables)
     # before: 96.1 MB requested against 89.0 simulated (1.08), the kernels' copies on write
     assert requested <= 1.03 * g.no_remat_peak, (requested, g.no_remat_peak)
+
+
+def test_each_label_of_a_multi_output_model_gets_its_own_class_range():
+    """The synthetic labels that time a step and measure its kernels' scratch space: a
+    two-output model's labels each within their own head's classes. With the first head's
+    5 classes for both, the 3-class head's loss refused labels 3 and 4 on a CPU, and the scratch
+    space went unmeasured (a warning, and a plan that counts none)."""
+    import warnings
+
+    from tf_remat.extract import (_num_classes, _random_like, extract, measure_workspace,
+                                  trace_training_step)
+
+    tok = keras.Input((12,), dtype="int32", name="tok")
+    h = keras.layers.Embedding(50, 8)(tok)
+    pooled = keras.layers.GlobalAveragePooling1D()(h)
+    cls = keras.layers.Dense(5, name="cls")(pooled)
+    tag = keras.layers.Dense(3, name="tag")(keras.layers.Dense(8)(pooled))
+    model = keras.Model({"tok": tok}, {"cls": cls, "tag": tag})
+    sparse = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    model.compile("sgd", loss={"cls": sparse, "tag": sparse})
+    xs = {"tok": tf.TensorSpec((32, 12), tf.int32)}
+    ys = {"tag": tf.TensorSpec((32,), tf.int32), "cls": tf.TensorSpec((32,), tf.int32)}
+    traced = trace_training_step(model, xs, ys)
+    assert _num_classes(traced) == {"cls": 5, "tag": 3}
+    y = _random_like(traced.label_spec, seed=2, labels=_num_classes(traced))
+    assert 0 <= int(tf.reduce_min(y["tag"])) and int(tf.reduce_max(y["tag"])) <= 2
+    assert int(tf.reduce_max(y["cls"])) <= 4
+    assert int(tf.reduce_max(y["cls"])) >= 3  # the wider head's whole range is still used
+    # labels as a list, by position; weighted, the weights beside them
+    lists = trace_training_step(model, xs, [ys["cls"], ys["tag"]])
+    assert _num_classes(lists) == [5, 3]
+    weighted = trace_training_step(model, xs, (ys, tf.TensorSpec((32,))), weighted=True)
+    assert _num_classes(weighted) == ({"cls": 5, "tag": 3}, 2)
+    y, w = _random_like(weighted.label_spec, seed=2, labels=_num_classes(weighted))
+    assert int(tf.reduce_max(y["tag"])) <= 2 and w.dtype == tf.float32
+    ex = extract(model, input_spec=xs, label_spec=ys, cost_model="flops", verbose=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "kernel scratch space not measured" before
+        measure_workspace(ex.traced, ex.op_map)

@@ -1323,24 +1323,48 @@ def keras_loss(identifier):
 
 
 def _num_classes(traced):
-    """A label range that is valid for the step (the model's last dimension)."""
+    """Integer label ranges valid for the step: per label, the last dimension of the output it
+    belongs to (a nest shaped as ``traced.label_spec``), or one range for every label.
+
+    Each label gets its own output's range: a two-output model's second head with 3 classes
+    got the first head's 5, and its loss refused labels of 3 and 4 (on a CPU; a GPU's gives
+    NaN), so its kernels' scratch space went unmeasured. Labels matched to outputs by name
+    (a dict) or by position (a list as long as the outputs); otherwise the smallest range,
+    valid for every output."""
     try:
-        shape = traced.model.outputs[0].shape
-        return int(shape[-1]) if shape[-1] else 2
+        outputs = list(traced.model.outputs)
     except Exception:  # noqa: BLE001 (subclassed models have no .outputs)
         return 2
+    dims = [int(o.shape[-1]) if len(o.shape) and o.shape[-1] else 2 for o in outputs]
+    if not dims:
+        return 2
+    smallest = min(dims)
+    names = list(getattr(traced.model, "output_names", None) or [])
+    labels = traced.label_spec[0] if traced.weighted else traced.label_spec
+    if isinstance(labels, dict) and len(names) == len(dims):
+        by_name = dict(zip(names, dims))
+        ranges = {k: by_name.get(k, smallest) for k in labels}
+    elif isinstance(labels, (list, tuple)) and len(labels) == len(dims):
+        ranges = type(labels)(dims) if isinstance(labels, list) else tuple(dims)
+    else:
+        return dims[0] if len(dims) == 1 else smallest
+    if traced.weighted:
+        return (ranges, 2)  # (the sample weights are floats: any range)
+    return ranges
 
 
 def _random_like(spec, *, seed, labels=None):
+    """Random values shaped as ``spec``; with ``labels`` (a class count, or a nest of counts
+    over ``spec``'s top levels, as :func:`_num_classes` gives) values fit for labels."""
     import numpy as np
     import tensorflow as tf
 
     rng = np.random.default_rng(seed)
 
-    def make(s):
+    def make(s, classes=labels):
         shape = s.shape.as_list()
         if s.dtype.is_integer:
-            return tf.constant(rng.integers(0, max(labels or 2, 1), size=shape), s.dtype)
+            return tf.constant(rng.integers(0, max(classes or 2, 1), size=shape), s.dtype)
         if s.dtype.is_bool:
             return tf.constant(rng.integers(0, 2, size=shape).astype(bool))
         if s.dtype == tf.string:  # raw text into a StringLookup or TextVectorization layer
@@ -1349,7 +1373,16 @@ def _random_like(spec, *, seed, labels=None):
             return tf.constant(rng.random(size=shape).astype(s.dtype.as_numpy_dtype))
         return tf.constant(rng.standard_normal(size=shape).astype(s.dtype.as_numpy_dtype))
 
-    return tf.nest.map_structure(make, spec)
+    def fill(sub, n):
+        # a range per label: each label's (possibly nested) spec with its own count
+        if n is None or isinstance(n, int):
+            return tf.nest.map_structure(lambda t: make(t, n), sub)
+        if isinstance(n, dict):
+            return {k: fill(v, n.get(k)) for k, v in sub.items()}
+        filled = [fill(a, b) for a, b in zip(sub, n)]
+        return filled if isinstance(sub, list) else tuple(filled)
+
+    return fill(spec, labels)
 
 
 def counted_bytes(nbytes: int, device: str = "CPU") -> int:
