@@ -1363,18 +1363,50 @@ def _rounding_spread(run, variables, x, y) -> float:
     return max(float(np.abs(a - b).max()) for a, b in zip(g1, g2)) / scale
 
 
-def _nudged(x):
-    """The inputs with each float value times 1 + eps/2 with a random sign (fixed seed)."""
+def _nudged(x, eps=None):
+    """The inputs with each float value times 1 + eps/2 with a random sign (fixed seed; eps:
+    the value's own dtype's unless given)."""
     import numpy as np
     import tensorflow as tf
 
     def nudge(t):
         if not t.dtype.is_floating:
             return t
+        e = np.finfo(t.dtype.as_numpy_dtype).eps if eps is None else eps
         sign = tf.sign(tf.random.stateless_normal(t.shape, [7, 11], dtype=t.dtype))
-        return t * (1 + sign * np.finfo(t.dtype.as_numpy_dtype).eps / 2)
+        return t * (1 + sign * e / 2)
 
     return tf.nest.map_structure(nudge, x)
+
+
+def _compute_eps(model) -> float:
+    """One unit in the last place at 1.0 in the precision the model computes in (a
+    mixed-precision policy's float16 or bfloat16 makes a float32 nudge vanish in its casts)."""
+    import numpy as np
+
+    # the coarsest any layer computes in (a policy set per layer, too)
+    table = {"float16": 2.0 ** -10, "bfloat16": 2.0 ** -7}
+    names = {getattr(getattr(la, "dtype_policy", None), "compute_dtype", None)
+             for la in model._flatten_layers()}
+    return max([table[n] for n in names if n in table], default=float(np.finfo("float32").eps))
+
+
+def _nudge_weights(model, eps) -> dict:
+    """Each trainable weight times 1 + eps/2 with a random sign; returns id -> the change.
+    With integer inputs (token ids), which no nudge moves, this is what the rounding column
+    of the whole step moves (a step whose only float input is its batch's ids read 0)."""
+    import numpy as np
+
+    rng = np.random.default_rng(13)
+    moved = {}
+    for v in model.trainable_variables:
+        a = v.numpy()
+        if not np.issubdtype(a.dtype, np.floating):
+            continue
+        b = (a * (1 + np.sign(rng.standard_normal(a.shape)) * eps / 2)).astype(a.dtype)
+        v.assign(b)
+        moved[id(v)] = b - a
+    return moved
 
 
 def _tracked(model) -> list:
@@ -1535,15 +1567,21 @@ def run_case(name, fractions, time_limit, plans=None, weighted=False):
                              for a, b, c in zip(s0, s1, s2)) if s1 else None)
         # everything one step changes, each variable over its own move: weights, optimizer
         # slots and iterations, BatchNorm statistics, seed generators, metrics; against the
-        # same measure for the plain step on inputs moved by one rounding step
+        # same measure for the plain step with its float inputs and trainable weights moved
+        # by a rounding step of the precision it computes in
         before = [np.array(v.numpy(), copy=True) for v in tracked]
         after = []
         for fn, args, kwargs in ((wref.function, (x, yw), {}),
-                                 (step, (x, y), {"sample_weight": w}),
-                                 (wref.function, (_nudged(x), yw), {})):
+                                 (step, (x, y), {"sample_weight": w})):
             fn(*args, **kwargs)
             after.append([np.array(v.numpy(), copy=True) for v in tracked])
             restore()
+        eps = _compute_eps(model)
+        moved = _nudge_weights(model, eps)
+        wref.function(_nudged(x, eps), yw)
+        # what the step changed from where it started, put back on the unmoved start
+        after.append([np.array(v.numpy(), copy=True) - moved.get(id(v), 0) for v in tracked])
+        restore()
         names = [getattr(v, "path", None) or v.name for v in tracked]
         row["state_err"], row["state_var"] = _state_err(before, after[0], after[1], names)
         row["state_rounding"], _ = _state_err(before, after[0], after[2], names)
@@ -1677,8 +1715,11 @@ NOTES = """\
   iteration count, BatchNorm statistics, seed generators' states, metrics), the worst
   variable's max |difference| over how far the plain step moved it, named when over 1e-2;
   an integer variable (iterations, seeds) counts 1 unless equal, so 1.0 there is a skipped or
-  doubled update; **state rounding** is the same measure for the plain step on inputs moved by
-  one rounding step (as for **rounding**): an optimizer that divides by a gradient's size (Adam)
+  doubled update; **state rounding** is the same measure for the plain step with its float
+  inputs and trainable weights moved by half a unit in the last place of the precision the
+  model computes in (bfloat16 for `mixed`; a weight's own move taken out before the
+  comparison): with token ids for inputs, or a float32 nudge cast away to bfloat16, a nudge of
+  the inputs alone moved nothing and read 0. An optimizer that divides by a gradient's size (Adam)
   turns rounding in gradients near zero into whole-size differences in their updates, so a
   state err near the state rounding is rounding, not a wrong update.
   **rounding**: how far the plain step's gradients move (same measure as grad err) when every
