@@ -1339,16 +1339,20 @@ def _data(xs, ys, model, n=None, seed=0):
     return x, tf.nest.map_structure(label, ys)
 
 
-def _rounding_spread(run, variables, x, y) -> float:
-    """How far the plain step's gradients move when the input values move by at most one
-    float32 rounding step (each times 1 + eps/2 with a random sign, which float32 makes one
-    unit in the last place down or no change): the scale of float32 rounding in this
-    model's gradients, against which ``grad err`` reads. A rewritten step sums in other orders
+def _rounding_spread(run, variables, x, y, model) -> float:
+    """How far the plain step's gradients move when the float inputs and trainable weights move
+    by at most one rounding step of the precision the model computes in (each times 1 + eps/2
+    with a random sign, which rounds to one unit in the last place down or no change): the
+    scale of rounding in this model's gradients, against which ``grad err`` reads. (Before
+    2026-12-06 the inputs alone at float32's step: 0 for models whose inputs are token ids or
+    are cast to bfloat16.) A rewritten step sums in other orders
     wherever Grappler rewrites its copies otherwise than the plain step's ops, and a ReLU or
     BatchNorm can turn those last bits into gradients 1e-4 apart (``grouped``); an error far
     above this figure would be a wrong value, not rounding."""
     import numpy as np
 
+    # (the model's weights too: one the step does not capture is nudged and put back as well)
+    variables = list({id(v): v for v in list(variables) + model.trainable_variables}.values())
     saved = [np.array(v.numpy(), copy=True) for v in variables]
 
     def grads(inputs):
@@ -1358,7 +1362,10 @@ def _rounding_spread(run, variables, x, y) -> float:
             for v, s in zip(variables, saved):
                 v.assign(s)
 
-    g1, g2 = grads(x), grads(_nudged(x))
+    g1 = grads(x)
+    eps = _compute_eps(model)
+    _nudge_weights(model, eps)  # (grads restores them)
+    g2 = grads(_nudged(x, eps))
     scale = max(float(np.abs(g).max()) for g in g1)
     return max(float(np.abs(a - b).max()) for a, b in zip(g1, g2)) / scale
 
@@ -1496,11 +1503,11 @@ def run_case(name, fractions, time_limit, plans=None, weighted=False):
             w0 = [v.numpy() for v in model.trainable_variables]
             wref.function(inputs, labels)
             return [v.numpy() - a for v, a in zip(model.trainable_variables, w0)]
-        out["rounding"] = _rounding_spread(run, wref.variables, x, yw)
+        out["rounding"] = _rounding_spread(run, wref.variables, x, yw, model)
     else:
         out["rounding"] = _rounding_spread(
             lambda inputs, labels: [t.numpy() for t in gref.function(inputs, labels)[1:]],
-            gref.variables, x, yw)
+            gref.variables, x, yw, model)
     start = [np.array(v.numpy(), copy=True) for v in model.variables]
     for frac in fractions:
         budget = int(frac * base)
@@ -1723,8 +1730,10 @@ NOTES = """\
   turns rounding in gradients near zero into whole-size differences in their updates, so a
   state err near the state rounding is rounding, not a wrong update.
   **rounding**: how far the plain step's gradients move (same measure as grad err) when every
-  input value moves by at most one float32 rounding step (about half of them by one unit in
-  the last place): the size of rounding in this model's
+  float input value and trainable weight moves by at most one rounding step of the precision
+  the model computes in (about half of them by one unit in the last place; before 2026-12-06
+  the inputs alone at float32's, which read 0 for token-id inputs and `mixed`'s bfloat16): the
+  size of rounding in this model's
   gradients (`rdrop`: in its update), which a step that sums in another order can reach. **fit**:
   `model.fit` with the rewritten step gave finite losses.
 """
