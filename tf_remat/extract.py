@@ -1345,7 +1345,7 @@ def _num_classes(traced):
         by_name = dict(zip(names, dims))
         ranges = {k: by_name.get(k, smallest) for k in labels}
     elif isinstance(labels, (list, tuple)) and len(labels) == len(dims):
-        ranges = type(labels)(dims) if isinstance(labels, list) else tuple(dims)
+        ranges = list(dims) if isinstance(labels, list) else tuple(dims)
     else:
         return dims[0] if len(dims) == 1 else smallest
     if traced.weighted:
