@@ -537,3 +537,10 @@ def test_heldout_bench_table_says_when_the_first_call_was_refused():
     lines = bench.table(results, []).splitlines()
     assert [c.strip() for c in lines[2].split("|")][16] == "1.2e-04"
     assert len({line.count("|") for line in lines}) == 1, lines
+    # every variable after one step: named where over reassociation; rows saved before
+    # the state columns read n/a
+    assert [c.strip() for c in lines[2].split("|")][18:20] == ["n/a", "n/a"]
+    results = [{**results[0], "rows": [{**row, "state_err": 0.5, "state_var": "dense/bias",
+                                        "state_rounding": 0.8}]}]
+    cells = [c.strip() for c in bench.table(results, []).splitlines()[2].split("|")]
+    assert cells[18:20] == ["5.0e-01 (dense/bias)", "8.0e-01"]

@@ -1685,13 +1685,15 @@ def table(results, firsts) -> str:
                   "refused" if (res["model"], r["fraction"]) in refused else "n/a")
             bn = "n/a" if r["bn_err"] is None else f"{r['bn_err']:.1e}"
             rnd = f"{res['rounding']:.1e}" if "rounding" in res else "n/a"
-            st = f"{r['state_err']:.1e}"
-            if r["state_err"] > 1e-2:  # name it where it is more than reassociation
-                st += f" ({r['state_var']})"
+            # (rows saved before the state columns have none)
+            st = "n/a" if r.get("state_err") is None else f"{r['state_err']:.1e}"
+            if r.get("state_err") is not None and r["state_err"] > 1e-2:
+                st += f" ({r['state_var']})"  # named where it is more than reassociation
+            srnd = "n/a" if r.get("state_rounding") is None else f"{r['state_rounding']:.1e}"
             lines.append(
                 f"{head} {r['status']} | {r['strategy']} | {r['simulated'] / MIB:.0f} | "
                 f"{cells} | {fc} | {worst:.2f}{flag} | {r['grad_err']:.1e} | {rnd} | {bn} | "
-                f"{st} | {r['state_rounding']:.1e} | "
+                f"{st} | {srnd} | "
                 f"{'ok' if r['fit_loss_finite'] else 'NaN'} | {r['seconds']:.0f} |")
     return "\n".join(lines)
 
