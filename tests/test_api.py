@@ -1609,14 +1609,25 @@ def test_measure_peak_is_the_plain_steps_peak_and_a_budget_from_it_is_met():
     peak = tf_remat.measure_peak(model, input_spec=xs, label_spec=ys)
     for a, b in zip(before, Snapshot(tracked).values):
         assert np.array_equal(a, b)
-    # one run without the layouts (on this 12 MiB step they add a quarter: the allocator's
-    # whole chunks, see measure_step_peak)
-    _, single, _ = baseline_peak(model, xs, ys)
+    # one run of Keras's step without the layouts (on this 12 MiB step they add a quarter: the
+    # allocator's whole chunks, see measure_step_peak). Keras's step, not the default trace:
+    # where oneDNN is off, Keras's filter gradients take ~27 MiB of im2col scratch each (72
+    # MiB against the default trace's 13-16 on an AVX2-only CPU)
+    from tf_remat.api import measure_step_peak
+    from tf_remat.extract import trace_training_step
+
+    plain = trace_training_step(model, xs, ys, conv_gradients="tensorflow")
+    x, y = data(xs, ys)
+    single = measure_step_peak(plain.function, tf.constant(x), tf.constant(y),
+                               variables=plain.variables)["step_peak_bytes"]
     assert 0.95 * single <= peak <= 1.5 * single, (peak, single)
 
     step = tf_remat.optimize(model, budget_bytes=int(0.7 * peak), input_spec=xs, label_spec=ys,
                              attach=False, **FAST)
-    assert step.report["recomputed_nodes"] > 0
+    # recomputing where the step needs it (without oneDNN, 70% of Keras's step can be more
+    # than the rewritten step takes with nothing recomputed)
+    assert (step.report["recomputed_nodes"] > 0
+            or step.report["baseline_peak_bytes"] <= 0.7 * peak), step.report
     assert step.measure()["step_peak_bytes"] <= 1.05 * 0.7 * peak
 
     keras.utils.set_random_seed(8)
