@@ -240,19 +240,32 @@ def test_fit_uses_the_rewritten_step(cnn_step):
     assert again.peak_memory == full.plan.peak_memory
     assert step._reused_plan(g, True, None, full.plan.peak_memory - 1) is None
     assert step._reused_plan(g, False, None, step.budget_bytes) is None
-    # a partial batch of 120 needs recomputation: the solved schedule, verified, no solve
-    # (where oneDNN is off, filter gradients are sliced by batch and the graphs may differ)
-    xb, yb = (tf.constant(a) for a in data(xs, ys, n=xs.shape[0] - 8, seed=7))
-    step(xb, yb)
-    big = step._train[(xs.shape[0] - 8, None)]
-    gb = big.extraction.graph
-    if gb.topology_digest == g.topology_digest and gb.no_remat_peak > big.target:
-        assert big.plan.info["plan_source"] == "reused"
-        assert big.plan.sequence == full.plan.sequence
-        assert big.attempts[0]["solve_seconds"] == 0.0
-    assert big.measured["step_peak_bytes"] <= step.budget_bytes
-    # measuring on that batch measures that batch's step
-    assert step.measure(xb, yb)["step_peak_bytes"] <= 1.05 * step.budget_bytes
+    # measuring on a batch of 8 measures that batch's step, not the full one's
+    x8, y8 = (tf.constant(a[-8:]) for a in (x, y))
+    small = step.measure(x8, y8)["step_peak_bytes"]
+    assert small < 0.5 * full.measured["step_peak_bytes"], (small, full.measured)
+    # a partial batch of 120 needs recomputation: the solved schedule, verified, no solve.
+    # Where oneDNN is off, filter gradients are sliced by batch and the graphs differ: 120's
+    # would be solved and verified as another size is (test_a_batch_of_other_dimensions_...),
+    # up to a minute more on 2 cores for nothing this test is about, so it is traced alone
+    from tf_remat.extract import extract
+
+    n = xs.shape[0] - 8
+    gb = extract(model, input_spec=tf.TensorSpec((n,) + tuple(xs.shape[1:])),
+                 label_spec=tf.TensorSpec((n,), ys.dtype), cost_model="flops",
+                 verbose=0).graph
+    if gb.topology_digest == g.topology_digest:
+        xb, yb = (tf.constant(a) for a in data(xs, ys, n=n, seed=7))
+        step(xb, yb)
+        big = step._train[(n, None)]
+        assert big.extraction.graph.topology_digest == gb.topology_digest
+        if gb.no_remat_peak > big.target:
+            assert big.plan.info["plan_source"] == "reused"
+            assert big.plan.sequence == full.plan.sequence
+            assert big.attempts[0]["solve_seconds"] == 0.0
+        assert big.measured["step_peak_bytes"] <= step.budget_bytes
+        # measuring on that batch measures that batch's step
+        assert step.measure(xb, yb)["step_peak_bytes"] <= 1.05 * step.budget_bytes
     assert model.train_function == step._keras_train_function
     after = model_state(model)
     assert any(not np.array_equal(a, b) for a, b in zip(before, after))
@@ -1229,7 +1242,9 @@ def test_a_batch_of_other_dimensions_gets_a_plan_of_its_own():
     _, base, _ = baseline_peak(model, xs, ys)
     _, longer_base, _ = baseline_peak(model, longer, ys)
     budget = int(max(1.1 * base, 0.85 * longer_base))
-    step = tf_remat.optimize(model, budget_bytes=budget, input_spec=xs, label_spec=ys, **FAST)
+    # QUICK: the longer steps' re-solves (a gradients step and a training step, each verified)
+    # are this test's cost; the MILP spent 9 of its 10 s proving a plan it had found in 2
+    step = tf_remat.optimize(model, budget_bytes=budget, input_spec=xs, label_spec=ys, **QUICK)
     x, y = (tf.constant(a) for a in data(longer, ys))
     g1, g2 = plain_and_step_gradients(model, longer, ys, step, x, y)
     scale = max(float(np.abs(g).max()) for g in g1)
