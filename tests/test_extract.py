@@ -414,10 +414,11 @@ def test_convolution_gradients_as_products_equal_tensorflows(monkeypatch):
     """``TF_REMAT_CONV_GRADIENTS=matmul`` (the default where oneDNN is off) traces Conv2D
     gradients as patch products and flipped convolutions where they apply (NHWC, no dilation,
     no groups, 'SAME' or 'VALID'; strided layers through a zero-dilated output gradient), and
-    Conv2DTranspose kernel gradients as patch products too, and TensorFlow's kernels elsewhere.
-    With the patch limit at 1 MiB the first layers' patches come in slices of the batch. Same
-    sums in another order: float32 reassociation over at most 8x32x32x9 terms, so 1e-5 of the
-    largest."""
+    Conv2DTranspose kernel gradients as patch products too, and TensorFlow's kernels elsewhere;
+    a Conv2DTranspose layer's forward op (a Conv2DBackpropInput, ~24 MiB of scratch without
+    oneDNN) is a flipped convolution too. With the patch limit at 1 MiB the first layers'
+    patches come in slices of the batch. Same sums in another order: float32 reassociation over
+    at most 8x32x32x9 terms, so 1e-5 of the largest (the loss too)."""
     from tf_remat import extract as extract_module
     import numpy as np
 
@@ -449,17 +450,57 @@ def test_convolution_gradients_as_products_equal_tensorflows(monkeypatch):
         monkeypatch.setenv("TF_REMAT_CONV_GRADIENTS", m)
         t = trace_training_step(build(), tf.TensorSpec(x.shape), tf.TensorSpec((8,), tf.int32),
                                 apply_updates=False)
-        grads[m] = [g.numpy() for g in t.function(x, y)[1:]]
+        grads[m] = [g.numpy() for g in t.function(x, y)]
         types[m] = collections.Counter(op.type for op in t.function.graph.get_operations())
+    assert len(grads["tensorflow"]) == len(grads["matmul"]) == 1 + 2 * 11  # loss, 11 layers
     for a, b in zip(grads["tensorflow"], grads["matmul"]):
         assert np.max(np.abs(a - b)) <= 1e-5 * np.max(np.abs(a)), a.shape
     assert types["matmul"]["MatMul"] > types["tensorflow"]["MatMul"]
+    # the transposed layers' forward ops, and every input gradient (the first layer's is
+    # traced, and pruned: nothing reads it) but the grouped layer's, which is XLA's
+    assert types["tensorflow"]["Conv2DBackpropInput"] == 2 + 7
+    assert types["matmul"]["Conv2DBackpropInput"] == 0
     assert "ExtractImagePatches" not in types["tensorflow"]
     # no filter gradient is TensorFlow's kernel (the grouped layer runs as an XLA cluster on CPU)
     assert types["tensorflow"]["Conv2DBackpropFilter"] == 9
     assert types["matmul"]["Conv2DBackpropFilter"] == 0
-    # 7 layers' patches, the first two's (4.5 and 2.25 MiB) in 8 and 3 slices of the batch
-    assert types["matmul"]["ExtractImagePatches"] == 7 + 7 + 2
+    # 7 layers' patches, the first two's (4.5 and 2.25 MiB) in 8 and 3 slices of the batch;
+    # a transposed layer is one convolution over its phases' shared window: the first's 2x2
+    # (patches), the second's 1x1 (its input is the patch matrix)
+    assert types["matmul"]["ExtractImagePatches"] == 7 + 7 + 1
+
+
+def test_a_transposed_convolution_as_one_convolution_over_its_phases_is_tensorflows():
+    """``_phase_transposed_conv`` (a Conv2DTranspose layer's forward op where oneDNN is off)
+    against TensorFlow's Conv2DBackpropInput: kernels of 1 to 5 (some not square), strides of
+    1 to 3 (some differing by axis, some over the kernel: phases no tap reaches), 'SAME' and
+    'VALID', sizes the stride does not divide. Same products summed in another order."""
+    import itertools
+
+    import numpy as np
+
+    from tf_remat.extract import _phase_transposed_conv
+
+    rng = np.random.default_rng(0)
+    cases = 0
+    for k, s, padding, size in itertools.product([1, 2, 3, 4, 5], [1, 2, 3], ["SAME", "VALID"],
+                                                 [5, 8]):
+        for kh, kw, sh, sw in [(k, k, s, s), (k, max(1, k - 1), s, max(1, s - 1))]:
+            if padding == "VALID" and max(kh, kw) > size:
+                continue
+            x_shape = [2, size, size + 1, 3]
+            y = tf.nn.conv2d(tf.zeros(x_shape), tf.zeros([kh, kw, 3, 4]),
+                             strides=[1, sh, sw, 1], padding=padding)
+            g = tf.constant(rng.standard_normal(y.shape.as_list()), tf.float32)
+            w = tf.constant(rng.standard_normal([kh, kw, 3, 4]), tf.float32)
+            ref = tf.raw_ops.Conv2DBackpropInput(input_sizes=x_shape, filter=w, out_backprop=g,
+                                                 strides=[1, sh, sw, 1], padding=padding)
+            got = _phase_transposed_conv(x_shape, w, g, padding, (sh, sw))
+            assert got is not None and got.shape == ref.shape
+            err = float(tf.reduce_max(tf.abs(ref - got)))
+            assert err <= 1e-5 * float(tf.reduce_max(tf.abs(ref))), (kh, kw, sh, sw, padding)
+            cases += 1
+    assert cases >= 100
 
 
 def test_conv3d_gradients_as_products_equal_tensorflows(monkeypatch):

@@ -531,7 +531,8 @@ def trace_training_step(model, input_spec, label_spec, *, loss=None, optimizer=N
             # Python control flow over tensors may need
             fn = tf.function(model_step, autograph=True) if train_step else \
                 tf.function(step, autograph=False)
-            return fn.get_concrete_function(input_spec, label_spec)
+            with _flipped_transposed_convs(patch_filters):
+                return fn.get_concrete_function(input_spec, label_spec)
         except (TypeError, ValueError) as exc:
             raise UnsupportedOpError(f"tracing the training step failed: {exc}") from exc
 
@@ -1533,19 +1534,26 @@ def _flipped_input_gradient(op, grad):
     Per spatial axis the layer computes ``y[i] = sum_k x[i*s + k - p] w[k]`` (``p`` the padding
     before), so ``dx[j] = sum_k d[j + p - k] w[k]`` with ``d`` the dilated dL/dy: a correlation
     of ``d``, padded by ``K - 1 - p`` before, with the flipped kernel."""
-    import tensorflow as tf
-
     conv = _plain_conv(op, grad)
     if conv is None:
         return None
-    x, w, padding, (sh, sw) = conv
+    x, w, padding, strides = conv
+    return _flipped_conv_input(x.shape.as_list(), w, grad, padding, strides)
+
+
+def _flipped_conv_input(x_shape, w, grad, padding, strides):
+    """What ``Conv2DBackpropInput(x_shape, w, grad)`` computes (see
+    :func:`_flipped_input_gradient`), or None where the flipped form does not apply."""
+    import tensorflow as tf
+
+    sh, sw = strides
     kh, kw, ci, co = w.shape.as_list()
-    n, h, wd, _ = x.shape.as_list()
+    n, h, wd, _ = x_shape
     _, ho, wo, _ = grad.shape.as_list()
     if kh == kw == 1 and sh == sw == 1:
         dx = tf.linalg.matmul(tf.reshape(grad, [-1, co]), tf.reshape(w, [ci, co]),
                               transpose_b=True)
-        return tf.reshape(dx, x.shape)
+        return tf.reshape(dx, x_shape)
     d = grad
     if sh > 1 or sw > 1:  # zeros between the entries: (n, ho*sh, wo*sw, co)
         d = tf.reshape(grad, [n, ho, 1, wo, 1, co])
@@ -1565,7 +1573,7 @@ def _flipped_input_gradient(op, grad):
     flipped = tf.transpose(tf.reverse(w, axis=[0, 1]), [0, 1, 3, 2])
     dx = tf.nn.conv2d(d, flipped, strides=1,
                       padding=[[0, 0], list(pads[0]), list(pads[1]), [0, 0]])
-    return dx if dx.shape == x.shape else None
+    return dx if dx.shape.as_list() == list(x_shape) else None
 
 
 def _conv2d_gradient(op, grad):
@@ -1840,6 +1848,133 @@ def _matmul_conv_gradients(enabled: bool):
         yield
     finally:
         registry.update(entries)
+
+
+@contextlib.contextmanager
+def _flipped_transposed_convs(enabled: bool):
+    """While tracing a step, run a ``Conv2DTranspose`` layer's forward op (a
+    ``Conv2DBackpropInput``) as the convolutions of :func:`_phase_transposed_conv` where it
+    applies, when ``enabled``: without oneDNN that kernel takes up to ~24 MiB of scratch
+    whatever the layer's size, and this one none (a decoder of 1 MiB activations at batch 8
+    could go no lower than 23 MiB, the scratch and the layer's inputs). Its gradients are then
+    those of the ops it is made of (:func:`_matmul_conv_gradients` turns the convolution's
+    into products). TensorFlow's own gradient code calls the same function (its Conv2D input
+    gradient, where :func:`_flipped_input_gradient` does not apply); where this form does not
+    apply either, TensorFlow's op is made as before.
+    """
+    if not enabled:
+        yield
+        return
+    from tensorflow.python.ops import gen_nn_ops
+
+    original = gen_nn_ops.conv2d_backprop_input
+
+    def flipped(input_sizes, filter, out_backprop, strides, padding, use_cudnn_on_gpu=True,
+                explicit_paddings=(), data_format="NHWC", dilations=(1, 1, 1, 1), name=None):
+        args = (input_sizes, filter, out_backprop, strides, padding, use_cudnn_on_gpu,
+                list(explicit_paddings), data_format, list(dilations), name)
+        out = _phase_backprop_input(input_sizes, filter, out_backprop, strides, padding,
+                                      data_format, dilations)
+        return original(*args) if out is None else out
+
+    gen_nn_ops.conv2d_backprop_input = flipped
+    try:
+        yield
+    finally:
+        gen_nn_ops.conv2d_backprop_input = original
+
+
+def _phase_backprop_input(input_sizes, w, grad, strides, padding, data_format, dilations):
+    """:func:`_phase_transposed_conv` for the arguments of ``Conv2DBackpropInput``, or None
+    where they are not what it takes (static shapes, NHWC, no dilation, 'SAME' or 'VALID', a
+    floating dtype)."""
+    import tensorflow as tf
+
+    padding = padding.decode() if isinstance(padding, bytes) else str(padding)
+    data_format = data_format.decode() if isinstance(data_format, bytes) else str(data_format)
+    if data_format != "NHWC" or list(dilations) != [1, 1, 1, 1] or padding not in ("SAME",
+                                                                                    "VALID"):
+        return None
+    strides = list(strides)
+    if len(strides) != 4 or strides[0] != 1 or strides[3] != 1:
+        return None
+    try:
+        w, grad = tf.convert_to_tensor(w), tf.convert_to_tensor(grad)
+    except (TypeError, ValueError):
+        return None
+    size = tf.get_static_value(input_sizes)
+    if size is None or len(size) != 4 or not (w.shape.is_fully_defined() and
+                                              grad.shape.is_fully_defined()):
+        return None
+    if w.dtype not in (tf.float32, tf.float16, tf.bfloat16, tf.float64) or \
+            grad.dtype != w.dtype or int(size[3]) != w.shape[2] or grad.shape[3] != w.shape[3]:
+        return None
+    return _phase_transposed_conv([int(d) for d in size], w, grad, padding,
+                                  (strides[1], strides[2]))
+
+
+def _phase_taps(size: int, out: int, k: int, s: int, padding: str) -> list:
+    """Per output phase ``r`` of one spatial axis of a transposed convolution (the rows
+    ``s*q + r`` of its output, ``size`` long, from an input ``out`` long, kernel ``k``, stride
+    ``s``): ``(k0, m, a, q)``: the taps ``k0 + s*i`` (``i < m``) reach those rows, output row
+    ``q' < q`` reads input rows ``q' + a + i'`` by the taps in reverse."""
+    before = max((out - 1) * s + k - size, 0) // 2 if padding == "SAME" else 0
+    taps = []
+    for r in range(s):
+        k0 = (r + before) % s
+        m = 0 if k0 >= k else (k - 1 - k0) // s + 1
+        taps.append((k0, m, (r + before - k0) // s - m + 1, -(-(size - r) // s)))
+    return taps
+
+
+def _phase_transposed_conv(x_shape, w, grad, padding, strides):
+    """What ``Conv2DBackpropInput(x_shape, w, grad)`` computes, as one stride-1 convolution of
+    ``grad`` whose output channels are the ``s_h * s_w`` phases of the output (for each, the
+    kernel's taps that reach it, reversed, placed in a window all phases share), interleaved
+    ("sub-pixel" form). It takes no scratch and reads ``grad`` once, so the backward pass keeps
+    one copy of it (separate convolutions per phase kept ``s**2`` padded copies: a U-Net's
+    no-rematerialization peak 26% higher). The zeros in the shared window cost multiplications:
+    1.8x TensorFlow's kernel's for a 3x3 kernel of stride 2 (the zero-dilated form of
+    :func:`_flipped_conv_input`, 4x). 'VALID' on a padded copy, so its gradients are products
+    too (:func:`_conv_geometry` takes no explicit padding)."""
+    import tensorflow as tf
+
+    n, h, wd, ci = x_shape
+    kh, kw, _, co = w.shape.as_list()
+    _, ho, wo, _ = grad.shape.as_list()
+    sh, sw = strides
+    qh, qw = -(-h // sh), -(-wd // sw)
+    ph, pw = _phase_taps(h, ho, kh, sh, padding), _phase_taps(wd, wo, kw, sw, padding)
+
+    def window(taps):  # (first input row read, rows read) over the phases any tap reaches
+        live = [(a, m) for _, m, a, _ in taps if m]
+        lo = min(a for a, _ in live)
+        return lo, max(a + m for a, m in live) - lo
+
+    (ah, lh), (aw, lw) = window(ph), window(pw)
+    blocks = []
+    for k0h, mh, a_h, _ in ph:
+        for k0w, mw, a_w, _ in pw:
+            if mh == 0 or mw == 0:  # no tap reaches these rows
+                blocks.append(tf.zeros([lh, lw, co, ci], w.dtype))
+                continue
+            taps = tf.transpose(tf.reverse(w[k0h::sh, k0w::sw], axis=[0, 1]), [0, 1, 3, 2])
+            blocks.append(tf.pad(taps, [[a_h - ah, lh - (a_h - ah) - mh],
+                                        [a_w - aw, lw - (a_w - aw) - mw], [0, 0], [0, 0]]))
+    kernel = blocks[0] if len(blocks) == 1 else tf.concat(blocks, axis=3)
+    pads = [[0, 0], [max(0, -ah), max(0, qh + ah + lh - 1 - ho)],
+            [max(0, -aw), max(0, qw + aw + lw - 1 - wo)], [0, 0]]
+    g = tf.pad(grad, pads) if any(map(any, pads)) else grad
+    lo_h, lo_w = ah + pads[1][0], aw + pads[2][0]
+    if (lo_h, lo_w) != (0, 0) or g.shape[1] != qh + lh - 1 or g.shape[2] != qw + lw - 1:
+        g = g[:, lo_h:lo_h + qh + lh - 1, lo_w:lo_w + qw + lw - 1, :]
+    out = tf.nn.conv2d(g, kernel, strides=1, padding="VALID")  # (n, qh, qw, sh * sw * ci)
+    if sh * sw > 1:
+        out = tf.transpose(tf.reshape(out, [n, qh, qw, sh, sw, ci]), [0, 1, 3, 2, 4, 5])
+    out = tf.reshape(out, [n, qh * sh, qw * sw, ci])
+    if qh * sh != h or qw * sw != wd:
+        out = out[:, :h, :wd, :]
+    return out if out.shape.as_list() == list(x_shape) else None
 
 
 #: element-wise ops that broadcast their two inputs (inputs named x and y in tf.raw_ops)
