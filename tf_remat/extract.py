@@ -531,7 +531,7 @@ def trace_training_step(model, input_spec, label_spec, *, loss=None, optimizer=N
             # Python control flow over tensors may need
             fn = tf.function(model_step, autograph=True) if train_step else \
                 tf.function(step, autograph=False)
-            with _flipped_transposed_convs(patch_filters):
+            with _phased_transposed_convs(patch_filters):
                 return fn.get_concrete_function(input_spec, label_spec)
         except (TypeError, ValueError) as exc:
             raise UnsupportedOpError(f"tracing the training step failed: {exc}") from exc
@@ -1851,12 +1851,13 @@ def _matmul_conv_gradients(enabled: bool):
 
 
 @contextlib.contextmanager
-def _flipped_transposed_convs(enabled: bool):
+def _phased_transposed_convs(enabled: bool):
     """While tracing a step, run a ``Conv2DTranspose`` layer's forward op (a
-    ``Conv2DBackpropInput``) as the convolutions of :func:`_phase_transposed_conv` where it
-    applies, when ``enabled``: without oneDNN that kernel takes up to ~24 MiB of scratch
-    whatever the layer's size, and this one none (a decoder of 1 MiB activations at batch 8
-    could go no lower than 23 MiB, the scratch and the layer's inputs). Its gradients are then
+    ``Conv2DBackpropInput``) as the convolution of :func:`_phase_transposed_conv` where it
+    applies and peaks lower (:func:`_phases_lighter`), when ``enabled``: without oneDNN that
+    kernel takes up to ~24 MiB of scratch whatever the layer's size, and this one none (a
+    decoder of 1 MiB activations at batch 8 could go no lower than 23 MiB, the scratch and the
+    layer's inputs). Its gradients are then
     those of the ops it is made of (:func:`_matmul_conv_gradients` turns the convolution's
     into products). TensorFlow's own gradient code calls the same function (its Conv2D input
     gradient, where :func:`_flipped_input_gradient` does not apply); where this form does not
