@@ -416,9 +416,9 @@ def test_convolution_gradients_as_products_equal_tensorflows(monkeypatch):
     no groups, 'SAME' or 'VALID'; strided layers through a zero-dilated output gradient), and
     Conv2DTranspose kernel gradients as patch products too, and TensorFlow's kernels elsewhere;
     a Conv2DTranspose layer's forward op (a Conv2DBackpropInput, ~24 MiB of scratch without
-    oneDNN) is one convolution over its output's phases. With the patch limit at 1 MiB the first layers'
-    patches come in slices of the batch. Same sums in another order: float32 reassociation over
-    at most 8x32x32x9 terms, so 1e-5 of the largest (the loss too)."""
+    oneDNN) is one convolution over its output's phases. With the patch limit at 1 MiB the
+    first layers' patches come in slices of the batch. Same sums in another order: float32
+    reassociation over at most 8x32x32x9 terms, so 1e-5 of the largest (the loss too)."""
     from tf_remat import extract as extract_module
     import numpy as np
 
