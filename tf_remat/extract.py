@@ -1857,11 +1857,11 @@ def _phased_transposed_convs(enabled: bool):
     applies and peaks lower (:func:`_phases_lighter`), when ``enabled``: without oneDNN that
     kernel takes up to ~24 MiB of scratch whatever the layer's size, and this one none (a
     decoder of 1 MiB activations at batch 8 could go no lower than 23 MiB, the scratch and the
-    layer's inputs). Its gradients are then
-    those of the ops it is made of (:func:`_matmul_conv_gradients` turns the convolution's
-    into products). TensorFlow's own gradient code calls the same function (its Conv2D input
-    gradient, where :func:`_flipped_input_gradient` does not apply); where this form does not
-    apply either, TensorFlow's op is made as before.
+    layer's inputs). Its gradients are then those of the ops it is made of
+    (:func:`_matmul_conv_gradients` turns the convolution's into products). TensorFlow's own
+    gradient code calls the same function (its Conv2D input gradient, where
+    :func:`_flipped_input_gradient` does not apply); where this form does not apply either,
+    TensorFlow's op is made as before.
     """
     if not enabled:
         yield
@@ -1870,15 +1870,16 @@ def _phased_transposed_convs(enabled: bool):
 
     original = gen_nn_ops.conv2d_backprop_input
 
-    def flipped(input_sizes, filter, out_backprop, strides, padding, use_cudnn_on_gpu=True,
-                explicit_paddings=(), data_format="NHWC", dilations=(1, 1, 1, 1), name=None):
-        args = (input_sizes, filter, out_backprop, strides, padding, use_cudnn_on_gpu,
-                list(explicit_paddings), data_format, list(dilations), name)
+    def phased(input_sizes, filter, out_backprop, strides, padding, use_cudnn_on_gpu=True,
+               explicit_paddings=(), data_format="NHWC", dilations=(1, 1, 1, 1), name=None):
         out = _phase_backprop_input(input_sizes, filter, out_backprop, strides, padding,
-                                      data_format, dilations)
-        return original(*args) if out is None else out
+                                    data_format, dilations)
+        if out is not None:
+            return out
+        return original(input_sizes, filter, out_backprop, strides, padding, use_cudnn_on_gpu,
+                        list(explicit_paddings), data_format, list(dilations), name)
 
-    gen_nn_ops.conv2d_backprop_input = flipped
+    gen_nn_ops.conv2d_backprop_input = phased
     try:
         yield
     finally:
