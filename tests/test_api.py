@@ -1770,8 +1770,16 @@ def test_a_gan_with_lazily_built_optimizers_trains_as_its_train_step_does():
     g = extract(gan, input_spec=xs, label_spec=(), cost_model="flops", verbose=0,
                 train_step=True).graph
     assert gan.d_optimizer.built and gan.g_optimizer.built
-    step = tf_remat.optimize(gan, budget_bytes=(g.budget_lower_bound + g.no_remat_peak) // 2,
-                             input_spec=xs, label_spec=None, verify=False, **FAST)
+    # halfway from the graph's lower bound to its peak, or where that is under every plan the
+    # MILP finds in its order (without oneDNN the generator's transposed convolutions take no
+    # scratch: lower bound 7.6 MiB, peak 12.5, plans from 11.0), the lowest it reached
+    try:
+        step = tf_remat.optimize(gan, budget_bytes=(g.budget_lower_bound + g.no_remat_peak) // 2,
+                                 input_spec=xs, label_spec=None, verify=False, **FAST)
+    except InfeasibleBudgetError as err:
+        assert err.min_feasible < g.no_remat_peak
+        step = tf_remat.optimize(gan, budget_bytes=err.min_feasible, input_spec=xs,
+                                 label_spec=None, verify=False, **FAST)
     assert step.report["recomputed_nodes"] > 0
     x = tf.constant(np.random.default_rng(4).random((32, 16, 16, 1), dtype=np.float32))
     same_update(step, tf.function(gan.train_step), list(gan.variables)
