@@ -1534,26 +1534,19 @@ def _flipped_input_gradient(op, grad):
     Per spatial axis the layer computes ``y[i] = sum_k x[i*s + k - p] w[k]`` (``p`` the padding
     before), so ``dx[j] = sum_k d[j + p - k] w[k]`` with ``d`` the dilated dL/dy: a correlation
     of ``d``, padded by ``K - 1 - p`` before, with the flipped kernel."""
+    import tensorflow as tf
+
     conv = _plain_conv(op, grad)
     if conv is None:
         return None
-    x, w, padding, strides = conv
-    return _flipped_conv_input(x.shape.as_list(), w, grad, padding, strides)
-
-
-def _flipped_conv_input(x_shape, w, grad, padding, strides):
-    """What ``Conv2DBackpropInput(x_shape, w, grad)`` computes (see
-    :func:`_flipped_input_gradient`), or None where the flipped form does not apply."""
-    import tensorflow as tf
-
-    sh, sw = strides
+    x, w, padding, (sh, sw) = conv
     kh, kw, ci, co = w.shape.as_list()
-    n, h, wd, _ = x_shape
+    n, h, wd, _ = x.shape.as_list()
     _, ho, wo, _ = grad.shape.as_list()
     if kh == kw == 1 and sh == sw == 1:
         dx = tf.linalg.matmul(tf.reshape(grad, [-1, co]), tf.reshape(w, [ci, co]),
                               transpose_b=True)
-        return tf.reshape(dx, x_shape)
+        return tf.reshape(dx, x.shape)
     d = grad
     if sh > 1 or sw > 1:  # zeros between the entries: (n, ho*sh, wo*sw, co)
         d = tf.reshape(grad, [n, ho, 1, wo, 1, co])
@@ -1573,7 +1566,7 @@ def _flipped_conv_input(x_shape, w, grad, padding, strides):
     flipped = tf.transpose(tf.reverse(w, axis=[0, 1]), [0, 1, 3, 2])
     dx = tf.nn.conv2d(d, flipped, strides=1,
                       padding=[[0, 0], list(pads[0]), list(pads[1]), [0, 0]])
-    return dx if dx.shape.as_list() == list(x_shape) else None
+    return dx if dx.shape == x.shape else None
 
 
 def _conv2d_gradient(op, grad):
@@ -1706,6 +1699,28 @@ def _flipped_input_gradient3d(x, w, grad, padding, strides):
 _CONV3D_CHOICE = {}
 
 
+def _peaks_on_zeros(fns, shapes, dtype, device) -> list | None:
+    """Each of ``fns``, called on zeros of ``shapes``, run once to build it and once measured:
+    the allocator's peak over what it held before, per function; None where one fails (a
+    kernel missing for the dtype). Eager, even while a step is being traced."""
+    import tensorflow as tf
+
+    peaks = []
+    with tf.init_scope():
+        try:
+            args = [tf.zeros(k, dtype) for k in shapes]
+            for fn in fns:
+                _ = [t.numpy() for t in tf.nest.flatten(fn(*args))]  # built, Grappler run
+                tf.config.experimental.reset_memory_stats(device)
+                before = tf.config.experimental.get_memory_info(device)["current"]
+                _ = [t.numpy() for t in tf.nest.flatten(fn(*args))]
+                peaks.append(tf.config.experimental.get_memory_info(device)["peak"] - before)
+                del _
+        except (tf.errors.OpError, ValueError, TypeError, AttributeError):  # (None returned)
+            return None
+    return peaks
+
+
 def _conv3d_products_smaller(x, w, dy, padding, strides, filter_only=False) -> bool:
     """Whether a ``Conv3D``'s gradients as products (:func:`_depthwise_split_filter_gradient`,
     :func:`_flipped_input_gradient3d`) peak lower than TensorFlow's backprop kernels, run once
@@ -1754,19 +1769,8 @@ def _conv3d_products_smaller(x, w, dy, padding, strides, filter_only=False) -> b
         return (dx if dx is not None else tf.zeros(()),
                 dw if dw is not None else tf.zeros(()))
 
-    peaks = []
-    with tf.init_scope():  # eager, even while a step is being traced
-        try:
-            args = [tf.zeros(k, x.dtype) for k in key[:3]]
-            for fn in (kernels, products):
-                _ = [t.numpy() for t in fn(*args)]  # built, Grappler run
-                tf.config.experimental.reset_memory_stats(device)
-                before = tf.config.experimental.get_memory_info(device)["current"]
-                _ = [t.numpy() for t in fn(*args)]
-                peaks.append(tf.config.experimental.get_memory_info(device)["peak"] - before)
-                del _
-        except (tf.errors.OpError, ValueError, TypeError):  # a kernel missing for the dtype:
-            peaks = [0, 1]  # TensorFlow's gradient, what Keras's step runs
+    # a kernel missing for the dtype: TensorFlow's gradient, what Keras's step runs
+    peaks = _peaks_on_zeros((kernels, products), key[:3], x.dtype, device) or [0, 1]
     choice = peaks[1] < peaks[0]
     _CONV3D_CHOICE[key] = choice
     return choice
@@ -1942,18 +1946,8 @@ def _phases_lighter(x_shape, w, grad, padding, strides) -> bool:
         padding=padding), input_signature=[ws, gs], autograph=False)
     phases = tf.function(lambda a, b: _phase_transposed_conv(x_shape, a, b, padding, strides),
                          input_signature=[ws, gs], autograph=False)
-    peaks = []
-    with tf.init_scope():  # eager, even while a step is being traced
-        try:
-            args = [tf.zeros(k, w.dtype) for k in key[1:3]]
-            for fn in (kernel, phases):
-                fn(*args).numpy()  # built, Grappler run
-                tf.config.experimental.reset_memory_stats("CPU:0")
-                before = tf.config.experimental.get_memory_info("CPU:0")["current"]
-                fn(*args).numpy()
-                peaks.append(tf.config.experimental.get_memory_info("CPU:0")["peak"] - before)
-        except (tf.errors.OpError, ValueError, TypeError, AttributeError):
-            peaks = [0, 1]  # TensorFlow's kernel, what Keras's step runs
+    # where one fails: TensorFlow's kernel, what Keras's step runs
+    peaks = _peaks_on_zeros((kernel, phases), key[1:3], w.dtype, "CPU:0") or [0, 1]
     _PHASES_CHOICE[key] = peaks[1] < peaks[0]
     return _PHASES_CHOICE[key]
 
@@ -1980,7 +1974,7 @@ def _phase_transposed_conv(x_shape, w, grad, padding, strides):
     one copy of it (separate convolutions per phase kept ``s**2`` padded copies: a U-Net's
     no-rematerialization peak 26% higher). The zeros in the shared window cost multiplications:
     1.8x TensorFlow's kernel's for a 3x3 kernel of stride 2 (the zero-dilated form of
-    :func:`_flipped_conv_input`, 4x). 'VALID' on a padded copy, so its gradients are products
+    :func:`_flipped_input_gradient`, 4x). 'VALID' on a padded copy, so its gradients are products
     too (:func:`_conv_geometry` takes no explicit padding)."""
     import tensorflow as tf
 
