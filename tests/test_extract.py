@@ -473,10 +473,11 @@ def test_convolution_gradients_as_products_equal_tensorflows(monkeypatch):
 
 
 def test_a_transposed_convolution_as_one_convolution_over_its_phases_is_tensorflows():
-    """``_phase_transposed_conv`` (a Conv2DTranspose layer's forward op where oneDNN is off)
-    against TensorFlow's Conv2DBackpropInput: kernels of 1 to 5 (some not square), strides of
-    1 to 3 (some differing by axis, some over the kernel: phases no tap reaches), 'SAME' and
-    'VALID', sizes the stride does not divide. Same products summed in another order."""
+    """``_phase_transposed_conv`` (a Conv2DTranspose or Conv3DTranspose layer's forward op
+    where oneDNN is off) against TensorFlow's Conv2DBackpropInput and Conv3DBackpropInputV2:
+    kernels of 1 to 5 (some not square), strides of 1 to 3 (some differing by axis, some over
+    the kernel: phases no tap reaches), 'SAME' and 'VALID', sizes the stride does not divide.
+    Same products summed in another order."""
     import itertools
 
     import numpy as np
@@ -484,25 +485,70 @@ def test_a_transposed_convolution_as_one_convolution_over_its_phases_is_tensorfl
     from tf_remat.extract import _phase_transposed_conv
 
     rng = np.random.default_rng(0)
+
+    def check(x_shape, kernel, strides, padding):
+        nd = len(kernel)
+        conv, op = (tf.nn.conv2d, tf.raw_ops.Conv2DBackpropInput) if nd == 2 else \
+            (tf.nn.conv3d, tf.raw_ops.Conv3DBackpropInputV2)
+        y = conv(tf.zeros(x_shape), tf.zeros([*kernel, 3, 4]), strides=[1, *strides, 1],
+                 padding=padding)
+        g = tf.constant(rng.standard_normal(y.shape.as_list()), tf.float32)
+        w = tf.constant(rng.standard_normal([*kernel, 3, 4]), tf.float32)
+        ref = op(input_sizes=x_shape, filter=w, out_backprop=g, strides=[1, *strides, 1],
+                 padding=padding)
+        got = _phase_transposed_conv(x_shape, w, g, padding, strides)
+        assert got is not None and got.shape == ref.shape
+        err = float(tf.reduce_max(tf.abs(ref - got)))
+        assert err <= 1e-5 * float(tf.reduce_max(tf.abs(ref))), (kernel, strides, padding)
+
     cases = 0
     for k, s, padding, size in itertools.product([1, 2, 3, 4, 5], [1, 2, 3], ["SAME", "VALID"],
                                                  [5, 8]):
         for kh, kw, sh, sw in [(k, k, s, s), (k, max(1, k - 1), s, max(1, s - 1))]:
             if padding == "VALID" and max(kh, kw) > size:
                 continue
-            x_shape = [2, size, size + 1, 3]
-            y = tf.nn.conv2d(tf.zeros(x_shape), tf.zeros([kh, kw, 3, 4]),
-                             strides=[1, sh, sw, 1], padding=padding)
-            g = tf.constant(rng.standard_normal(y.shape.as_list()), tf.float32)
-            w = tf.constant(rng.standard_normal([kh, kw, 3, 4]), tf.float32)
-            ref = tf.raw_ops.Conv2DBackpropInput(input_sizes=x_shape, filter=w, out_backprop=g,
-                                                 strides=[1, sh, sw, 1], padding=padding)
-            got = _phase_transposed_conv(x_shape, w, g, padding, (sh, sw))
-            assert got is not None and got.shape == ref.shape
-            err = float(tf.reduce_max(tf.abs(ref - got)))
-            assert err <= 1e-5 * float(tf.reduce_max(tf.abs(ref))), (kh, kw, sh, sw, padding)
+            check([2, size, size + 1, 3], (kh, kw), (sh, sw), padding)
             cases += 1
     assert cases >= 100
+    # in three dimensions, the phases of every axis at once
+    for kernel, strides, padding in [((3, 3, 3), (2, 2, 2), "SAME"), ((2, 3, 1), (1, 2, 3),
+                                     "SAME"), ((3, 2, 4), (2, 1, 2), "VALID"),
+                                     ((1, 1, 1), (2, 2, 1), "VALID"), ((4, 4, 2), (3, 2, 1),
+                                     "SAME"), ((3, 3, 3), (1, 1, 1), "SAME")]:
+        check([2, 5, 6, 7, 3], kernel, strides, padding)
+
+
+def test_the_phase_form_is_taken_where_lighter_or_far_faster(monkeypatch):
+    """``_phases_lighter`` takes the phase form where it peaks lower than TensorFlow's kernel,
+    or where it runs in under a quarter of the kernel's time and peaks at most two outputs
+    higher (a 3-D kernel without scratch ran 70 times slower); the measurements stubbed, so
+    that the rule, not this CPU, is what is checked; one measurement per shape."""
+    from tf_remat import extract as extract_module
+
+    calls = []
+
+    def measured(peaks, seconds):
+        def fake(fns, shapes, dtype, device, out=None):
+            calls.append(shapes)
+            out.extend(seconds)
+            return peaks
+        return fake
+
+    out = 2 * 8 * 8 * 8 * 4 * 4  # the layer's output: 64 KiB
+    w, g = tf.zeros([3, 3, 3, 4, 8]), tf.zeros([2, 4, 4, 4, 8])
+    for (peaks, seconds), taken in [(([5 << 20, 1 << 20], [0.01, 0.02]), True),
+                                    (([1 << 20, 5 << 20], [0.01, 0.001]), False),
+                                    (([1 << 20, (1 << 20) + 2 * out], [0.7, 0.01]), True),
+                                    (([1 << 20, (1 << 20) + 2 * out + 1], [0.7, 0.01]), False),
+                                    (([1 << 20, 2 << 20], [0.7, 0.2]), False),
+                                    ((None, []), False)]:
+        extract_module._PHASES_CHOICE.clear()
+        monkeypatch.setattr(extract_module, "_peaks_on_zeros", measured(peaks, seconds))
+        for _ in range(2):
+            assert extract_module._phases_lighter([2, 8, 8, 8, 4], w, g, "SAME",
+                                                  (2, 2, 2)) is taken, (peaks, seconds)
+    assert len(calls) == 6
+    extract_module._PHASES_CHOICE.clear()
 
 
 def test_conv3d_gradients_as_products_equal_tensorflows(monkeypatch):
@@ -510,8 +556,9 @@ def test_conv3d_gradients_as_products_equal_tensorflows(monkeypatch):
     less memory) equal TensorFlow's kernels': filter gradients as one 2-D patch product per
     depth tap, input gradients as flipped stride-1 Conv3Ds of the zero-dilated output gradient;
     'SAME' and 'VALID', strides per axis, even and uneven kernels, 1x1x1 layers; Conv3DTranspose
-    kernel gradients as the same products. Same sums in another order: float32
-    reassociation, so 1e-5 of the largest."""
+    layers' forward ops as one Conv3D over their outputs' phases (forced too) and their kernel
+    gradients as the same products. Same sums in another order: float32 reassociation, so 1e-5
+    of the largest."""
     import numpy as np
 
     from tf_remat import extract as extract_module
@@ -538,6 +585,7 @@ def test_conv3d_gradients_as_products_equal_tensorflows(monkeypatch):
     y = tf.constant(np.arange(4) % 10, tf.int32)
     monkeypatch.setattr(extract_module, "_PATCH_GRAD_BYTES", 1 << 18)
     monkeypatch.setattr(extract_module, "_conv3d_products_smaller", lambda *a, **k: True)
+    monkeypatch.setattr(extract_module, "_phases_lighter", lambda *a, **k: True)
     grads, types = {}, {}
     for m in ("tensorflow", "matmul"):
         monkeypatch.setenv("TF_REMAT_CONV_GRADIENTS", m)
@@ -548,13 +596,14 @@ def test_conv3d_gradients_as_products_equal_tensorflows(monkeypatch):
     for a, b in zip(grads["tensorflow"], grads["matmul"]):
         assert np.max(np.abs(a - b)) <= 1e-5 * max(np.max(np.abs(a)), 1e-30), a.shape
     # (the first layer's input gradient is traced too, and pruned: nothing reads it); the two
-    # transposed layers are Conv3DBackpropInputV2 ops run forward, whose input gradients are
-    # Conv3Ds both ways
+    # transposed layers are Conv3DBackpropInputV2 ops run forward by TensorFlow, whose input
+    # gradients are Conv3Ds, and phase Conv3Ds here, whose gradients are products
     assert types["tensorflow"]["Conv3DBackpropFilterV2"] == 7 + 2
     assert types["tensorflow"]["Conv3DBackpropInputV2"] == 7 + 2
     assert types["matmul"]["Conv3DBackpropFilterV2"] == 0
-    assert types["matmul"]["Conv3DBackpropInputV2"] == 2
-    assert types["matmul"]["Conv3D"] == types["tensorflow"]["Conv3D"] + 7  # flipped ones
+    assert types["matmul"]["Conv3DBackpropInputV2"] == 0
+    # the flipped ones, and the phase convolutions, each with its input gradient (flipped)
+    assert types["matmul"]["Conv3D"] == types["tensorflow"]["Conv3D"] - 2 + 7 + 2 * 2
 
 
 def test_broadcast_gradients_are_sunk_into_their_readers(monkeypatch):

@@ -35,6 +35,7 @@ import json
 import os
 import re
 import sys
+import time
 from typing import Any
 
 from tf_remat.errors import RematError, UnsupportedOpError, warn
@@ -676,8 +677,6 @@ def extract(model, *, input_spec, label_spec, loss=None, optimizer=None,
         UnsupportedOpError: an unknown dimension (the message names the tensor), or an op whose
             output shape TensorFlow cannot infer statically.
     """
-    import time
-
     if train_step is None:
         train_step = apply_updates and overrides_train_step(model) is not None
     if label_spec is None and train_step:
@@ -1140,8 +1139,6 @@ def measure_step(traced: TracedStep, *, runs: int = 5, x=None, y=None) -> dict:
 
     Warning: with ``apply_updates`` the model's variables are updated ``runs + 2`` times.
     """
-    import time
-
     import numpy as np
     import tensorflow as tf
 
@@ -1699,10 +1696,11 @@ def _flipped_input_gradient3d(x, w, grad, padding, strides):
 _CONV3D_CHOICE = {}
 
 
-def _peaks_on_zeros(fns, shapes, dtype, device) -> list | None:
+def _peaks_on_zeros(fns, shapes, dtype, device, seconds=None) -> list | None:
     """Each of ``fns``, called on zeros of ``shapes``, run once to build it and once measured:
     the allocator's peak over what it held before, per function; None where one fails (a
-    kernel missing for the dtype). Eager, even while a step is being traced."""
+    kernel missing for the dtype). Eager, even while a step is being traced. Where ``seconds``
+    is a list, each is measured twice and the faster run's wall time appended to it."""
     import tensorflow as tf
 
     peaks = []
@@ -1710,12 +1708,19 @@ def _peaks_on_zeros(fns, shapes, dtype, device) -> list | None:
         try:
             args = [tf.zeros(k, dtype) for k in shapes]
             for fn in fns:
-                _ = [t.numpy() for t in tf.nest.flatten(fn(*args))]  # built, Grappler run
+                out = [t.numpy() for t in tf.nest.flatten(fn(*args))]  # built, Grappler run
+                del out
                 tf.config.experimental.reset_memory_stats(device)
                 before = tf.config.experimental.get_memory_info(device)["current"]
-                _ = [t.numpy() for t in tf.nest.flatten(fn(*args))]
+                runs = []
+                for _ in range(1 if seconds is None else 2):  # timed: the faster of two
+                    start = time.perf_counter()
+                    out = [t.numpy() for t in tf.nest.flatten(fn(*args))]
+                    runs.append(time.perf_counter() - start)
+                    del out
+                if seconds is not None:
+                    seconds.append(min(runs))
                 peaks.append(tf.config.experimental.get_memory_info(device)["peak"] - before)
-                del _
         except (tf.errors.OpError, ValueError, TypeError, AttributeError):  # (None returned)
             return None
     return peaks
@@ -1856,66 +1861,79 @@ def _matmul_conv_gradients(enabled: bool):
 
 @contextlib.contextmanager
 def _phased_transposed_convs(enabled: bool):
-    """While tracing a step, run a ``Conv2DTranspose`` layer's forward op (a
-    ``Conv2DBackpropInput``) as the convolution of :func:`_phase_transposed_conv` where it
-    applies and peaks lower (:func:`_phases_lighter`), when ``enabled``: without oneDNN that
-    kernel takes up to ~24 MiB of scratch whatever the layer's size, and this one none (a
-    decoder of 1 MiB activations at batch 8 could go no lower than 23 MiB, the scratch and the
-    layer's inputs). Its gradients are then those of the ops it is made of
+    """While tracing a step, run a ``Conv2DTranspose`` or ``Conv3DTranspose`` layer's forward
+    op (a ``Conv2DBackpropInput`` or ``Conv3DBackpropInputV2``) as the convolution of
+    :func:`_phase_transposed_conv` where it applies and :func:`_phases_lighter` takes it
+    (lighter, or far faster), when ``enabled``: without oneDNN the 2-D kernel takes up to
+    ~24 MiB of scratch whatever the layer's size (a decoder of 1 MiB activations at batch 8
+    could go no lower than 23 MiB, the scratch and the layer's inputs), and the 3-D one 264 MiB
+    for a layer whose output is 8 MiB, or runs 70 times slower than the convolution where it
+    takes none. Its gradients are then those of the ops it is made of
     (:func:`_matmul_conv_gradients` turns the convolution's into products). TensorFlow's own
-    gradient code calls the same function (its Conv2D input gradient, where
-    :func:`_flipped_input_gradient` does not apply); where this form does not apply either,
-    TensorFlow's op is made as before.
+    gradient code calls the same functions (a convolution's input gradient, where
+    :func:`_flipped_input_gradient` and its 3-D form do not apply); where this form does not
+    apply either, TensorFlow's op is made as before.
     """
     if not enabled:
         yield
         return
     from tensorflow.python.ops import gen_nn_ops
 
-    original = gen_nn_ops.conv2d_backprop_input
+    originals = (gen_nn_ops.conv2d_backprop_input, gen_nn_ops.conv3d_backprop_input_v2)
 
-    def phased(input_sizes, filter, out_backprop, strides, padding, use_cudnn_on_gpu=True,
-               explicit_paddings=(), data_format="NHWC", dilations=(1, 1, 1, 1), name=None):
+    def phased2d(input_sizes, filter, out_backprop, strides, padding, use_cudnn_on_gpu=True,
+                 explicit_paddings=(), data_format="NHWC", dilations=(1, 1, 1, 1), name=None):
         out = _phase_backprop_input(input_sizes, filter, out_backprop, strides, padding,
                                     data_format, dilations)
         if out is not None:
             return out
-        return original(input_sizes, filter, out_backprop, strides, padding, use_cudnn_on_gpu,
-                        list(explicit_paddings), data_format, list(dilations), name)
+        return originals[0](input_sizes, filter, out_backprop, strides, padding,
+                            use_cudnn_on_gpu, list(explicit_paddings), data_format,
+                            list(dilations), name)
 
-    gen_nn_ops.conv2d_backprop_input = phased
+    def phased3d(input_sizes, filter, out_backprop, strides, padding, data_format="NDHWC",
+                 dilations=(1, 1, 1, 1, 1), name=None):
+        out = _phase_backprop_input(input_sizes, filter, out_backprop, strides, padding,
+                                    data_format, dilations)
+        if out is not None:
+            return out
+        return originals[1](input_sizes, filter, out_backprop, strides, padding, data_format,
+                            list(dilations), name)
+
+    gen_nn_ops.conv2d_backprop_input = phased2d
+    gen_nn_ops.conv3d_backprop_input_v2 = phased3d
     try:
         yield
     finally:
-        gen_nn_ops.conv2d_backprop_input = original
+        gen_nn_ops.conv2d_backprop_input, gen_nn_ops.conv3d_backprop_input_v2 = originals
 
 
 def _phase_backprop_input(input_sizes, w, grad, strides, padding, data_format, dilations):
-    """:func:`_phase_transposed_conv` for the arguments of ``Conv2DBackpropInput``, or None
-    where they are not what it takes (static shapes, NHWC, no dilation, 'SAME' or 'VALID', a
-    floating dtype)."""
+    """:func:`_phase_transposed_conv` for the arguments of ``Conv2DBackpropInput`` or
+    ``Conv3DBackpropInputV2``, or None where they are not what it takes (static shapes,
+    channels last, no dilation, 'SAME' or 'VALID', a floating dtype)."""
     import tensorflow as tf
 
     padding = padding.decode() if isinstance(padding, bytes) else str(padding)
     data_format = data_format.decode() if isinstance(data_format, bytes) else str(data_format)
-    if data_format != "NHWC" or list(dilations) != [1, 1, 1, 1] or padding not in ("SAME",
-                                                                                    "VALID"):
-        return None
     strides = list(strides)
-    if len(strides) != 4 or strides[0] != 1 or strides[3] != 1:
+    rank = len(strides)
+    if data_format != {4: "NHWC", 5: "NDHWC"}.get(rank) or list(dilations) != [1] * rank \
+            or padding not in ("SAME", "VALID") or strides[0] != 1 or strides[-1] != 1:
         return None
     try:
         w, grad = tf.convert_to_tensor(w), tf.convert_to_tensor(grad)
     except (TypeError, ValueError):
         return None
     size = tf.get_static_value(input_sizes)
-    if size is None or len(size) != 4 or not (w.shape.is_fully_defined() and
-                                              grad.shape.is_fully_defined()):
+    if size is None or len(size) != rank or not (w.shape.is_fully_defined() and
+                                                 grad.shape.is_fully_defined()):
         return None
     if w.dtype not in (tf.float32, tf.float16, tf.bfloat16, tf.float64) or \
-            grad.dtype != w.dtype or int(size[3]) != w.shape[2] or grad.shape[3] != w.shape[3]:
+            grad.dtype != w.dtype or w.shape.rank != rank or grad.shape.rank != rank or \
+            int(size[-1]) != w.shape[-2] or grad.shape[-1] != w.shape[-1]:
         return None
-    size, strides = [int(d) for d in size], (strides[1], strides[2])
+    size, strides = [int(d) for d in size], tuple(strides[1:-1])
     if not _phases_lighter(size, w, grad, padding, strides):
         return None
     return _phase_transposed_conv(size, w, grad, padding, strides)
@@ -1925,12 +1943,19 @@ _PHASES_CHOICE = {}
 
 
 def _phases_lighter(x_shape, w, grad, padding, strides) -> bool:
-    """Whether :func:`_phase_transposed_conv` peaks lower than TensorFlow's Conv2DBackpropInput
-    for these shapes, each run once on zeros with the CPU allocator's statistics. The kernel's
-    scratch does not grow with the layer (~20 MiB for a small U-Net's layers at batch 8), and the
-    phase form holds its output twice while it interleaves it: on a decoder whose layers'
-    outputs are 8 MiB and whose kernels took 4 MiB, taking the phases everywhere raised the
-    no-rematerialization peak by 26%. No statistics (another allocator): TensorFlow's kernel."""
+    """Whether to take :func:`_phase_transposed_conv` over TensorFlow's Conv2DBackpropInput
+    (Conv3DBackpropInputV2) for these shapes, each run once on zeros with the CPU allocator's
+    statistics: where it peaks lower, or where it runs in under a quarter of the kernel's time
+    and peaks at most two of the layer's outputs higher. The 2-D kernel's scratch does not grow
+    with the layer (~20 MiB for a small U-Net's layers at batch 8), the 3-D one's is 33 times
+    the output for some shapes and none for others, and the phase form holds its output twice
+    while it interleaves it: on a decoder whose layers' outputs are 8 MiB and whose kernels
+    took 4 MiB, taking the phases everywhere raised the no-rematerialization peak by 26%. But
+    where the 3-D kernel takes no scratch it ran 40 to 70 times slower than the phase form on
+    an AVX2 AMD EPYC (712 ms against 10 for a 3x3x3 stride-2 layer whose output is
+    4x16x32x32x16), most of a video U-Net's step: a transient output's worth is cheaper to plan
+    around than that. No statistics (another allocator): TensorFlow's kernel."""
+    import numpy as np
     import tensorflow as tf
 
     key = (tuple(x_shape), tuple(w.shape.as_list()), tuple(grad.shape.as_list()), padding,
@@ -1940,15 +1965,22 @@ def _phases_lighter(x_shape, w, grad, padding, strides) -> bool:
     if memory_stats_missing("CPU:0"):
         _PHASES_CHOICE[key] = False
         return False
+    op = tf.raw_ops.Conv2DBackpropInput if len(x_shape) == 4 else \
+        tf.raw_ops.Conv3DBackpropInputV2
     ws, gs = tf.TensorSpec(key[1], w.dtype), tf.TensorSpec(key[2], w.dtype)
-    kernel = tf.function(lambda a, b: tf.raw_ops.Conv2DBackpropInput(
+    kernel = tf.function(lambda a, b: op(
         input_sizes=list(x_shape), filter=a, out_backprop=b, strides=[1, *strides, 1],
         padding=padding), input_signature=[ws, gs], autograph=False)
     phases = tf.function(lambda a, b: _phase_transposed_conv(x_shape, a, b, padding, strides),
                          input_signature=[ws, gs], autograph=False)
-    # where one fails: TensorFlow's kernel, what Keras's step runs
-    peaks = _peaks_on_zeros((kernel, phases), key[1:3], w.dtype, "CPU:0") or [0, 1]
-    _PHASES_CHOICE[key] = peaks[1] < peaks[0]
+    seconds = []
+    peaks = _peaks_on_zeros((kernel, phases), key[1:3], w.dtype, "CPU:0", seconds)
+    if peaks is None:  # where one fails: TensorFlow's kernel, what Keras's step runs
+        _PHASES_CHOICE[key] = False
+        return False
+    output = int(np.prod(x_shape)) * w.dtype.size
+    _PHASES_CHOICE[key] = peaks[1] < peaks[0] or (
+        4 * seconds[1] < seconds[0] and peaks[1] <= peaks[0] + 2 * output)
     return _PHASES_CHOICE[key]
 
 
@@ -1967,52 +1999,62 @@ def _phase_taps(size: int, out: int, k: int, s: int, padding: str) -> list:
 
 
 def _phase_transposed_conv(x_shape, w, grad, padding, strides):
-    """What ``Conv2DBackpropInput(x_shape, w, grad)`` computes, as one stride-1 convolution of
-    ``grad`` whose output channels are the ``s_h * s_w`` phases of the output (for each, the
-    kernel's taps that reach it, reversed, placed in a window all phases share), interleaved
-    ("sub-pixel" form). It takes no scratch and reads ``grad`` once, so the backward pass keeps
-    one copy of it (separate convolutions per phase kept ``s**2`` padded copies: a U-Net's
-    no-rematerialization peak 26% higher). The zeros in the shared window cost multiplications:
-    1.8x TensorFlow's kernel's for a 3x3 kernel of stride 2 (the zero-dilated form of
-    :func:`_flipped_input_gradient`, 4x). 'VALID' on a padded copy, so its gradients are products
-    too (:func:`_conv_geometry` takes no explicit padding)."""
+    """What ``Conv2DBackpropInput(x_shape, w, grad)`` (``Conv3DBackpropInputV2``, for 3-D
+    shapes) computes, as one stride-1 convolution of ``grad`` whose output channels are the
+    ``prod(strides)`` phases of the output (for each, the kernel's taps that reach it, reversed,
+    placed in a window all phases share), interleaved ("sub-pixel" form). It takes no scratch
+    and reads ``grad`` once, so the backward pass keeps one copy of it (separate convolutions
+    per phase kept ``s**2`` padded copies: a U-Net's no-rematerialization peak 26% higher). The
+    zeros in the shared window cost multiplications: 1.8x TensorFlow's kernel's for a 3x3 kernel
+    of stride 2 (the zero-dilated form of :func:`_flipped_input_gradient`, 4x). 'VALID' on a
+    padded copy, so its gradients are products too (:func:`_conv_geometry` takes no explicit
+    padding)."""
+    import itertools
+
     import tensorflow as tf
 
-    n, h, wd, ci = x_shape
-    kh, kw, _, co = w.shape.as_list()
-    _, ho, wo, _ = grad.shape.as_list()
-    sh, sw = strides
-    qh, qw = -(-h // sh), -(-wd // sw)
-    ph, pw = _phase_taps(h, ho, kh, sh, padding), _phase_taps(wd, wo, kw, sw, padding)
+    n, *sizes, ci = x_shape
+    nd = len(sizes)
+    co = w.shape[-1]
+    outs = grad.shape.as_list()[1:-1]
+    qs = [-(-size // s) for size, s in zip(sizes, strides)]
+    phases = [_phase_taps(size, o, k, s, padding)
+              for size, o, k, s in zip(sizes, outs, w.shape.as_list()[:nd], strides)]
 
     def window(taps):  # (first input row read, rows read) over the phases any tap reaches
         live = [(a, m) for _, m, a, _ in taps if m]
         lo = min(a for a, _ in live)
         return lo, max(a + m for a, m in live) - lo
 
-    (ah, lh), (aw, lw) = window(ph), window(pw)
+    windows = [window(taps) for taps in phases]
     blocks = []
-    for k0h, mh, a_h, _ in ph:
-        for k0w, mw, a_w, _ in pw:
-            if mh == 0 or mw == 0:  # no tap reaches these rows
-                blocks.append(tf.zeros([lh, lw, co, ci], w.dtype))
-                continue
-            taps = tf.transpose(tf.reverse(w[k0h::sh, k0w::sw], axis=[0, 1]), [0, 1, 3, 2])
-            blocks.append(tf.pad(taps, [[a_h - ah, lh - (a_h - ah) - mh],
-                                        [a_w - aw, lw - (a_w - aw) - mw], [0, 0], [0, 0]]))
-    kernel = blocks[0] if len(blocks) == 1 else tf.concat(blocks, axis=3)
-    pads = [[0, 0], [max(0, -ah), max(0, qh + ah + lh - 1 - ho)],
-            [max(0, -aw), max(0, qw + aw + lw - 1 - wo)], [0, 0]]
-    g = tf.pad(grad, pads) if any(map(any, pads)) else grad
-    lo_h, lo_w = ah + pads[1][0], aw + pads[2][0]
-    if (lo_h, lo_w) != (0, 0) or g.shape[1] != qh + lh - 1 or g.shape[2] != qw + lw - 1:
-        g = g[:, lo_h:lo_h + qh + lh - 1, lo_w:lo_w + qw + lw - 1, :]
-    out = tf.nn.conv2d(g, kernel, strides=1, padding="VALID")  # (n, qh, qw, sh * sw * ci)
-    if sh * sw > 1:
-        out = tf.transpose(tf.reshape(out, [n, qh, qw, sh, sw, ci]), [0, 1, 3, 2, 4, 5])
-    out = tf.reshape(out, [n, qh * sh, qw * sw, ci])
-    if qh * sh != h or qw * sw != wd:
-        out = out[:, :h, :wd, :]
+    for combo in itertools.product(*phases):
+        if any(m == 0 for _, m, _, _ in combo):  # no tap reaches these rows
+            blocks.append(tf.zeros([length for _, length in windows] + [co, ci], w.dtype))
+            continue
+        taps = w[tuple(slice(k0, None, s) for (k0, _, _, _), s in zip(combo, strides))]
+        taps = tf.transpose(tf.reverse(taps, axis=list(range(nd))),
+                            [*range(nd), nd + 1, nd])
+        blocks.append(tf.pad(taps, [[a - lo, length - (a - lo) - m] for (_, m, a, _), (
+            lo, length) in zip(combo, windows)] + [[0, 0], [0, 0]]))
+    kernel = blocks[0] if len(blocks) == 1 else tf.concat(blocks, axis=nd + 1)
+    pads = [[max(0, -lo), max(0, q + lo + length - 1 - o)]
+            for (lo, length), q, o in zip(windows, qs, outs)]
+    g = tf.pad(grad, [[0, 0], *pads, [0, 0]]) if any(map(any, pads)) else grad
+    starts = [lo + before for (lo, _), (before, _) in zip(windows, pads)]
+    spans = [q + length - 1 for q, (_, length) in zip(qs, windows)]
+    if any(starts) or g.shape.as_list()[1:-1] != spans:
+        g = g[(slice(None), *(slice(a, a + m) for a, m in zip(starts, spans)))]
+    conv = tf.nn.conv2d if nd == 2 else tf.nn.conv3d
+    out = conv(g, kernel, strides=[1] * (nd + 2), padding="VALID")  # (n, *qs, prod(s) * ci)
+    if any(s > 1 for s in strides):  # each axis's phases after its rows
+        out = tf.transpose(tf.reshape(out, [n, *qs, *strides, ci]),
+                           [0, *(j for i in range(nd) for j in (1 + i, 1 + nd + i)),
+                            1 + 2 * nd])
+    full = [q * s for q, s in zip(qs, strides)]
+    out = tf.reshape(out, [n, *full, ci])
+    if full != sizes:
+        out = out[(slice(None), *(slice(0, size) for size in sizes))]
     return out if out.shape.as_list() == list(x_shape) else None
 
 

@@ -467,6 +467,32 @@ def conv3d(batch=8, frames=8, hw=32):
     return model, tf.TensorSpec((batch, frames, hw, hw, 3)), tf.TensorSpec((batch,), tf.int32)
 
 
+def unet3d(batch=4, frames=16, hw=32):
+    """A 3-D U-Net for video or volumes: Conv3D with BatchNorm, MaxPooling3D, Dropout at the
+    bottleneck, 3x3x3 stride-2 Conv3DTranspose layers up, concatenated skips, a per-voxel
+    loss."""
+    import keras
+    import tensorflow as tf
+
+    L = keras.layers
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((frames, hw, hw, 3))
+    h, skips = L.Conv3D(16, 3, padding="same")(inp), []
+    for f in (16, 32):
+        h = L.BatchNormalization()(L.Conv3D(f, 3, padding="same", activation="relu")(h))
+        skips.append(h)
+        h = L.MaxPooling3D(2)(h)
+    h = L.Dropout(0.2)(h)
+    for s in reversed(skips):
+        f = int(s.shape[-1])
+        h = L.Conv3DTranspose(f, 3, strides=2, padding="same")(h)
+        h = L.Conv3D(f, 3, padding="same", activation="relu")(L.Concatenate()([h, s]))
+    model = keras.Model(inp, L.Conv3D(1, 1)(h), name="unet3d")
+    model.compile(loss=keras.losses.BinaryCrossentropy(from_logits=True), optimizer="adam")
+    return model, tf.TensorSpec((batch, frames, hw, hw, 3)), \
+        tf.TensorSpec((batch, frames, hw, hw, 1))
+
+
 def gptmini(batch=16, steps=128, vocab=500, dim=64, heads=4, depth=3):
     """A causal language model: token and position Embeddings, pre-norm blocks of causal
     MultiHeadAttention (attention Dropout) and a GELU MLP with Dropout, residual adds,
@@ -1277,7 +1303,7 @@ MODELS = {"resdrop": resdrop, "unet_bn": unet_bn, "densenet": densenet,
           "efficientnet": efficientnet, "mixer": mixer, "vit": vit,
           "twotower": twotower, "siamese": siamese, "decoder_gn": decoder_gn,
           "noisy": noisy, "bilstm": bilstm, "xception": xception, "tcn": tcn,
-          "textcnn": textcnn, "senet": senet, "fpn": fpn, "conv3d": conv3d,
+          "textcnn": textcnn, "senet": senet, "fpn": fpn, "conv3d": conv3d, "unet3d": unet3d,
           "gptmini": gptmini,
           "grouped": grouped, "regnet": regnet, "resmlp": resmlp,
           "subclassed": subclassed, "augment": augment, "mixed": mixed, "gru": gru,
