@@ -518,36 +518,30 @@ def test_a_transposed_convolution_as_one_convolution_over_its_phases_is_tensorfl
         check([2, 5, 6, 7, 3], kernel, strides, padding)
 
 
-def test_the_phase_form_is_taken_where_lighter_or_far_faster(monkeypatch):
+def test_the_phase_form_is_taken_where_it_peaks_lower(monkeypatch):
     """``_phases_lighter`` takes the phase form where it peaks lower than TensorFlow's kernel,
-    or where it runs in under a quarter of the kernel's time and peaks at most two outputs
-    higher (a 3-D kernel without scratch ran 70 times slower); the measurements stubbed, so
+    and only there (not where it is merely faster: the choice is made before the budget is
+    known), and TensorFlow's kernel where a measurement fails; the measurements stubbed, so
     that the rule, not this CPU, is what is checked; one measurement per shape."""
     from tf_remat import extract as extract_module
 
     calls = []
 
-    def measured(peaks, seconds):
-        def fake(fns, shapes, dtype, device, out=None):
+    def measured(peaks):
+        def fake(fns, shapes, dtype, device):
             calls.append(shapes)
-            out.extend(seconds)
             return peaks
         return fake
 
-    out = 2 * 8 * 8 * 8 * 4 * 4  # the layer's output: 64 KiB
     w, g = tf.zeros([3, 3, 3, 4, 8]), tf.zeros([2, 4, 4, 4, 8])
-    for (peaks, seconds), taken in [(([5 << 20, 1 << 20], [0.01, 0.02]), True),
-                                    (([1 << 20, 5 << 20], [0.01, 0.001]), False),
-                                    (([1 << 20, (1 << 20) + 2 * out], [0.7, 0.01]), True),
-                                    (([1 << 20, (1 << 20) + 2 * out + 1], [0.7, 0.01]), False),
-                                    (([1 << 20, 2 << 20], [0.7, 0.2]), False),
-                                    ((None, []), False)]:
+    for peaks, taken in [([5 << 20, 1 << 20], True), ([1 << 20, 1 << 20], False),
+                         ([1 << 20, (1 << 20) + 1], False), (None, False)]:
         extract_module._PHASES_CHOICE.clear()
-        monkeypatch.setattr(extract_module, "_peaks_on_zeros", measured(peaks, seconds))
+        monkeypatch.setattr(extract_module, "_peaks_on_zeros", measured(peaks))
         for _ in range(2):
             assert extract_module._phases_lighter([2, 8, 8, 8, 4], w, g, "SAME",
-                                                  (2, 2, 2)) is taken, (peaks, seconds)
-    assert len(calls) == 6
+                                                  (2, 2, 2)) is taken, peaks
+    assert len(calls) == 4
     extract_module._PHASES_CHOICE.clear()
 
 

@@ -1696,11 +1696,10 @@ def _flipped_input_gradient3d(x, w, grad, padding, strides):
 _CONV3D_CHOICE = {}
 
 
-def _peaks_on_zeros(fns, shapes, dtype, device, seconds=None) -> list | None:
+def _peaks_on_zeros(fns, shapes, dtype, device) -> list | None:
     """Each of ``fns``, called on zeros of ``shapes``, run once to build it and once measured:
     the allocator's peak over what it held before, per function; None where one fails (a
-    kernel missing for the dtype). Eager, even while a step is being traced. Where ``seconds``
-    is a list, each is measured twice and the faster run's wall time appended to it."""
+    kernel missing for the dtype). Eager, even while a step is being traced."""
     import tensorflow as tf
 
     peaks = []
@@ -1708,19 +1707,12 @@ def _peaks_on_zeros(fns, shapes, dtype, device, seconds=None) -> list | None:
         try:
             args = [tf.zeros(k, dtype) for k in shapes]
             for fn in fns:
-                out = [t.numpy() for t in tf.nest.flatten(fn(*args))]  # built, Grappler run
-                del out
+                _ = [t.numpy() for t in tf.nest.flatten(fn(*args))]  # built, Grappler run
                 tf.config.experimental.reset_memory_stats(device)
                 before = tf.config.experimental.get_memory_info(device)["current"]
-                runs = []
-                for _ in range(1 if seconds is None else 2):  # timed: the faster of two
-                    start = time.perf_counter()
-                    out = [t.numpy() for t in tf.nest.flatten(fn(*args))]
-                    runs.append(time.perf_counter() - start)
-                    del out
-                if seconds is not None:
-                    seconds.append(min(runs))
+                _ = [t.numpy() for t in tf.nest.flatten(fn(*args))]
                 peaks.append(tf.config.experimental.get_memory_info(device)["peak"] - before)
+                del _
         except (tf.errors.OpError, ValueError, TypeError, AttributeError):  # (None returned)
             return None
     return peaks
@@ -1863,12 +1855,11 @@ def _matmul_conv_gradients(enabled: bool):
 def _phased_transposed_convs(enabled: bool):
     """While tracing a step, run a ``Conv2DTranspose`` or ``Conv3DTranspose`` layer's forward
     op (a ``Conv2DBackpropInput`` or ``Conv3DBackpropInputV2``) as the convolution of
-    :func:`_phase_transposed_conv` where it applies and :func:`_phases_lighter` takes it
-    (lighter, or far faster), when ``enabled``: without oneDNN the 2-D kernel takes up to
-    ~24 MiB of scratch whatever the layer's size (a decoder of 1 MiB activations at batch 8
-    could go no lower than 23 MiB, the scratch and the layer's inputs), and the 3-D one 264 MiB
-    for a layer whose output is 8 MiB, or runs 70 times slower than the convolution where it
-    takes none. Its gradients are then those of the ops it is made of
+    :func:`_phase_transposed_conv` where it applies and peaks lower (:func:`_phases_lighter`),
+    when ``enabled``: without oneDNN the 2-D kernel takes up to ~24 MiB of scratch whatever
+    the layer's size (a decoder of 1 MiB activations at batch 8 could go no lower than 23 MiB,
+    the scratch and the layer's inputs), and the 3-D one 264 MiB for a layer whose output is
+    8 MiB. Its gradients are then those of the ops it is made of
     (:func:`_matmul_conv_gradients` turns the convolution's into products). TensorFlow's own
     gradient code calls the same functions (a convolution's input gradient, where
     :func:`_flipped_input_gradient` and its 3-D form do not apply); where this form does not
@@ -1943,19 +1934,19 @@ _PHASES_CHOICE = {}
 
 
 def _phases_lighter(x_shape, w, grad, padding, strides) -> bool:
-    """Whether to take :func:`_phase_transposed_conv` over TensorFlow's Conv2DBackpropInput
+    """Whether :func:`_phase_transposed_conv` peaks lower than TensorFlow's Conv2DBackpropInput
     (Conv3DBackpropInputV2) for these shapes, each run once on zeros with the CPU allocator's
-    statistics: where it peaks lower, or where it runs in under a quarter of the kernel's time
-    and peaks at most two of the layer's outputs higher. The 2-D kernel's scratch does not grow
-    with the layer (~20 MiB for a small U-Net's layers at batch 8), the 3-D one's is 33 times
-    the output for some shapes and none for others, and the phase form holds its output twice
-    while it interleaves it: on a decoder whose layers' outputs are 8 MiB and whose kernels
-    took 4 MiB, taking the phases everywhere raised the no-rematerialization peak by 26%. But
-    where the 3-D kernel takes no scratch it ran 40 to 70 times slower than the phase form on
-    an AVX2 AMD EPYC (712 ms against 10 for a 3x3x3 stride-2 layer whose output is
-    4x16x32x32x16), most of a video U-Net's step: a transient output's worth is cheaper to plan
-    around than that. No statistics (another allocator): TensorFlow's kernel."""
-    import numpy as np
+    statistics. The 2-D kernel's scratch does not grow with the layer (~20 MiB for a small
+    U-Net's layers at batch 8), the 3-D one's was 33 times the output at batch 8 and none at
+    batch 4, and the phase form holds its output twice while it interleaves it: on a decoder
+    whose layers' outputs are 8 MiB and whose kernels took 4 MiB, taking the phases everywhere
+    raised the no-rematerialization peak by 26%. Memory alone decides, though the 3-D kernel
+    that takes no scratch ran 35 to 70 times slower than the phase form (712 ms against 10 for
+    a 3x3x3 stride-2 layer whose output is 4x16x32x32x16): taking the faster form up to two
+    outputs heavier made a small 3-D U-Net's rewritten step 3.5 times faster, but refused a
+    smaller one's budget that the kernel's graph met (3.85 MiB: its best plan measured 4.0, the
+    kernel's 3.5), and the form is chosen here, before the budget is known. No statistics
+    (another allocator): TensorFlow's kernel."""
     import tensorflow as tf
 
     key = (tuple(x_shape), tuple(w.shape.as_list()), tuple(grad.shape.as_list()), padding,
@@ -1973,14 +1964,9 @@ def _phases_lighter(x_shape, w, grad, padding, strides) -> bool:
         padding=padding), input_signature=[ws, gs], autograph=False)
     phases = tf.function(lambda a, b: _phase_transposed_conv(x_shape, a, b, padding, strides),
                          input_signature=[ws, gs], autograph=False)
-    seconds = []
-    peaks = _peaks_on_zeros((kernel, phases), key[1:3], w.dtype, "CPU:0", seconds)
-    if peaks is None:  # where one fails: TensorFlow's kernel, what Keras's step runs
-        _PHASES_CHOICE[key] = False
-        return False
-    output = int(np.prod(x_shape)) * w.dtype.size
-    _PHASES_CHOICE[key] = peaks[1] < peaks[0] or (
-        4 * seconds[1] < seconds[0] and peaks[1] <= peaks[0] + 2 * output)
+    # where one fails: TensorFlow's kernel, what Keras's step runs
+    peaks = _peaks_on_zeros((kernel, phases), key[1:3], w.dtype, "CPU:0") or [0, 1]
+    _PHASES_CHOICE[key] = peaks[1] < peaks[0]
     return _PHASES_CHOICE[key]
 
 
