@@ -1905,7 +1905,7 @@ def test_resolves_before_the_budget_is_met_leave_the_share_for_the_margin(monkey
     model, xs, ys = fresh(cnn)
     graph = extract(model, input_spec=xs, label_spec=ys, cost_model="flops", verbose=0).graph
     budget = graph.no_remat_peak
-    limit = 3.0
+    limit = 5.0  # its quarter (the re-solves after) must find a plan on a busy machine
     real_solve = api.solve_isolated
     plans = record_plans(monkeypatch)
 
