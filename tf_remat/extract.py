@@ -1870,29 +1870,24 @@ def _phased_transposed_convs(enabled: bool):
         return
     from tensorflow.python.ops import gen_nn_ops
 
+    import inspect
+
+    def phased(original):
+        signature = inspect.signature(original)
+
+        def call(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            a = bound.arguments  # (explicit paddings: 'EXPLICIT', which is refused)
+            out = _phase_backprop_input(a["input_sizes"], a["filter"], a["out_backprop"],
+                                        a["strides"], a["padding"], a["data_format"],
+                                        a["dilations"])
+            return original(*args, **kwargs) if out is None else out
+        return call
+
     originals = (gen_nn_ops.conv2d_backprop_input, gen_nn_ops.conv3d_backprop_input_v2)
-
-    def phased2d(input_sizes, filter, out_backprop, strides, padding, use_cudnn_on_gpu=True,
-                 explicit_paddings=(), data_format="NHWC", dilations=(1, 1, 1, 1), name=None):
-        out = _phase_backprop_input(input_sizes, filter, out_backprop, strides, padding,
-                                    data_format, dilations)
-        if out is not None:
-            return out
-        return originals[0](input_sizes, filter, out_backprop, strides, padding,
-                            use_cudnn_on_gpu, list(explicit_paddings), data_format,
-                            list(dilations), name)
-
-    def phased3d(input_sizes, filter, out_backprop, strides, padding, data_format="NDHWC",
-                 dilations=(1, 1, 1, 1, 1), name=None):
-        out = _phase_backprop_input(input_sizes, filter, out_backprop, strides, padding,
-                                    data_format, dilations)
-        if out is not None:
-            return out
-        return originals[1](input_sizes, filter, out_backprop, strides, padding, data_format,
-                            list(dilations), name)
-
-    gen_nn_ops.conv2d_backprop_input = phased2d
-    gen_nn_ops.conv3d_backprop_input_v2 = phased3d
+    gen_nn_ops.conv2d_backprop_input, gen_nn_ops.conv3d_backprop_input_v2 = map(phased,
+                                                                                originals)
     try:
         yield
     finally:
