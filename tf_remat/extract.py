@@ -31,6 +31,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import inspect
 import json
 import os
 import re
@@ -1869,8 +1870,6 @@ def _phased_transposed_convs(enabled: bool):
         yield
         return
     from tensorflow.python.ops import gen_nn_ops
-
-    import inspect
 
     def phased(original):
         signature = inspect.signature(original)
