@@ -1667,6 +1667,51 @@ def test_measure_peak_is_the_plain_steps_peak_and_a_budget_from_it_is_met():
         tf_remat.measure_peak(model, input_spec=tf.TensorSpec((None, 16, 16, 3)), label_spec=ys)
 
 
+RESERVE_CHILD = """
+import sys
+import tf_remat
+import tensorflow as tf
+if sys.argv[1] == "reserve":
+    tf_remat.reserve_memory(budget_bytes=64 << 20, device="CPU:0")
+after_reserve = tf.config.experimental.get_memory_info("CPU:0")["peak"]
+activation = tf.zeros([int(4.25 * 2**20) // 4])
+print(after_reserve, tf.config.experimental.get_memory_info("CPU:0")["current"])
+"""
+
+
+def test_reserve_memory_at_the_start_leaves_no_small_region_to_hold_whole():
+    """A fresh process's first 4.25 MiB tensor gets the pool's new 8 MiB region, less than twice
+    the request, and holds all of it; after reserve_memory the request is split off one large
+    free region and holds its own size. The reservation is not left in the peak statistic."""
+    import os
+    import subprocess
+    import sys
+
+    held = {}
+    for mode in ("plain", "reserve"):
+        proc = subprocess.run([sys.executable, "-c", RESERVE_CHILD, mode], capture_output=True,
+                              text=True, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2",
+                                              "CUDA_VISIBLE_DEVICES": ""})
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        held[mode] = [int(v) for v in proc.stdout.split()[-2:]]
+    mib = 2**20
+    assert held["plain"][1] >= 8 * mib
+    assert held["reserve"][0] == 0
+    assert 4.25 * mib <= held["reserve"][1] < 4.3 * mib
+
+
+def test_reserve_memory_after_the_pool_grew_warns_and_checks_its_size():
+    with pytest.raises(ValueError, match="exactly one"):
+        tf_remat.reserve_memory()
+    with pytest.raises(ValueError, match="positive"):
+        tf_remat.reserve_memory(budget_bytes=0)
+    with tf.device("CPU:0"):
+        held = tf.zeros([4 << 20])  # 16 MiB in use: the pool is past its first regions
+    with pytest.warns(UserWarning, match="before the model is built"):
+        tf_remat.reserve_memory(budget_bytes=1 << 20, device="CPU:0")
+    del held
+
+
 def test_measure_peak_of_a_step_that_does_not_fit_says_what_to_do(monkeypatch):
     """A plain step the device's memory does not hold (what brings a user to tf-remat) raises
     TensorFlow's own error, with a note that points to a budget given outright."""

@@ -1,7 +1,7 @@
 """tf-remat: rematerialization schedules that make TensorFlow/Keras training fit in less memory.
 
 The core (graphs, strategies, plans) imports no TensorFlow; ``optimize``, ``measure_peak``,
-``extract_graph`` and ``max_batch_size`` load it on first use.
+``reserve_memory``, ``extract_graph`` and ``max_batch_size`` load it on first use.
 """
 
 import os as _os
@@ -25,7 +25,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Graph", "Plan", "Schedule", "load_graph", "load_plan", "simulate", "explain",
     "solve", "get_strategy", "available_strategies",
-    "optimize", "measure_peak", "extract_graph", "max_batch_size",
+    "optimize", "measure_peak", "reserve_memory", "extract_graph", "max_batch_size",
     "RematError", "GraphError", "PlanError", "InfeasibleBudgetError", "UnsupportedOpError",
     "SolverTimeoutError", "StrategyError", "errors",
 ]
@@ -34,6 +34,7 @@ __all__ = [
 _LAZY = {
     "optimize": ("tf_remat.api", "optimize"),
     "measure_peak": ("tf_remat.api", "measure_peak"),
+    "reserve_memory": ("tf_remat.api", "reserve_memory"),
     "extract_graph": ("tf_remat.extract", "extract_graph"),
     "max_batch_size": ("tf_remat.batch", "max_batch_size"),
 }

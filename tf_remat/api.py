@@ -268,6 +268,67 @@ def _check_model_and_specs(model, input_spec, label_spec, train_step, sample_wei
     return bool(train_step), label_spec
 
 
+#: a pool whose peak use was over this before :func:`reserve_memory` has grown past the BFC
+#: allocator's first region (2 MiB on the CPU): smaller regions exist, where allocations land
+#: first
+_RESERVE_LATE_BYTES = 2 << 20
+
+
+def reserve_memory(budget_gb: float | None = None, *, budget_bytes: int | None = None,
+                   device: str | None = None) -> None:
+    """Grow TensorFlow's allocator pool by one region of at least the given size, now. Call it
+    at the start of the program, right after ``import tf_remat`` and before building the model.
+
+    TensorFlow's BFC allocator grows its pool by regions that never merge: on the CPU (and on a
+    GPU with ``set_memory_growth``) 2 MiB, then 4, 8, 16 MiB and so on, as allocations need
+    them. It hands a request a whole free chunk when the chunk is less than twice the request,
+    so a 4.25 MiB activation placed in an empty 8 MiB region holds all 8, and a step's measured
+    peak (what ``optimize`` verifies plans against) counts it. One region as large as the
+    budget, made before anything else, leaves no small regions to land in: the residual CNN of
+    ``benchmarks/results/allocator.md`` (batch 34, no oneDNN) measured 38.0-38.2 MiB for plans
+    simulated at 27.7-28.2, and 30.4-32.1 MiB after ``reserve_memory`` of 128 or 512 MiB at the
+    start of its process, where ``optimize`` then met a 30.72 MiB budget it refuses without. Made after the model is built, the region does little: the small ones exist
+    by then, and a best-fit allocator fills them first (a warning says so).
+
+    The memory stays with TensorFlow's pool (as all memory it has allocated does), free for the
+    process's tensors. On a GPU without memory growth TensorFlow takes one region of nearly all
+    of its memory at start, and this changes nothing. The allocator's peak statistic is reset
+    after, so the reservation is not counted as use.
+
+    Args:
+        budget_gb, budget_bytes: the size (exactly one of them): the budget ``optimize`` will be
+            given, or more (weights, optimizer state, data and the step in one region).
+        device: 'CPU:0', 'GPU:0', ...; default the device the step runs on ('GPU:0' when
+            TensorFlow sees a GPU).
+
+    Raises:
+        RematError: TensorFlow keeps no memory statistics for ``device`` in this process (its
+            CPU allocator is then not the BFC allocator, and there is no pool to grow).
+
+    Example:
+        >>> import tf_remat                                          # doctest: +SKIP
+        >>> tf_remat.reserve_memory(budget_gb=8)                     # doctest: +SKIP
+        >>> model = build_model()  # then optimize(model, budget_gb=8, ...)  # doctest: +SKIP
+    """
+    import tensorflow as tf
+
+    from tf_remat.extract import current_device_kind, require_memory_stats
+
+    nbytes = _budget_bytes(budget_gb, budget_bytes)
+    device = device or f"{current_device_kind()}:0"
+    require_memory_stats(device)
+    before = tf.config.experimental.get_memory_info(device)["peak"]
+    if before > _RESERVE_LATE_BYTES:
+        warn(f"tf-remat: reserve_memory comes after TensorFlow used {format_bytes(before)} on "
+             f"{device}: its pool has smaller regions already, where allocations land first, "
+             f"so the reservation does little; call it right after import tf_remat, before "
+             f"the model is built")
+    with tf.device(device):
+        block = tf.zeros([-(-nbytes // 4)], tf.float32)
+    del block
+    tf.config.experimental.reset_memory_stats(device)
+
+
 def measure_peak(model, *, input_spec, label_spec, loss=None, optimizer=None,
                  train_step: bool | None = None, runs: int | None = None) -> int:
     """The measured peak memory of ``model``'s plain training step, in bytes, as

@@ -10,13 +10,15 @@ region is 2 MiB (TensorFlow's CPU allocator) up to one region larger than the st
 allocator without ``allow_growth`` reserves its memory): what stays over the requests in one
 large region is the reuse of freed chunks, the rest is the regions.
 
-Each ``--patch-slice-mib`` value runs in a fresh process, with the patch products' slice size
-(``tf_remat.extract._PATCH_GRAD_BYTES``, used where convolution gradients are products: a CPU
-without oneDNN) set to it, since freed patch slices are chunks later activations land in.
+Each ``--reserve-mib`` value (:func:`tf_remat.reserve_memory` at the process's start, 0 for
+none) and each ``--patch-slice-mib`` value runs in a fresh process, with the patch products'
+slice size (``tf_remat.extract._PATCH_GRAD_BYTES``, used where convolution gradients are
+products: a CPU without oneDNN) set to it, since freed patch slices are chunks later
+activations land in.
 
     python tools/bench_regions.py --module file.py:build --batch 34 --budget-mib 28.35
-        [--patch-slice-mib 8 3.5 10.2] [--regions 2 8 16 64 1024] [--strategy moccasin]
-        [--repeats 1] [--time-limit 10] [-o benchmarks/results/allocator.md]
+        [--patch-slice-mib 8 3.5 10.2] [--reserve-mib 0 128] [--regions 2 8 16 64 1024]
+        [--strategy moccasin] [--repeats 1] [--time-limit 10] [-o benchmarks/results/allocator.md]
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ def one(a: dict) -> dict:
     """The child's work: extract, solve, rewrite, profile one call, replay, measure."""
     import tensorflow as tf
 
+    import tf_remat
     import tf_remat.extract as extract_mod
     from tf_remat.allocator import BFCModel, replay
     from tf_remat.api import (_block, measure_step_peak, solve_isolated, verification_layouts)
@@ -45,6 +48,9 @@ def one(a: dict) -> dict:
     from tf_remat.rewrite import rewrite
     from tf_remat.training import load_builder
 
+    if a["reserve_mib"]:
+        # before anything else is allocated, as a user's program would call it
+        tf_remat.reserve_memory(budget_bytes=int(a["reserve_mib"] * MIB))
     if a["patch_slice_mib"] is not None:
         extract_mod._PATCH_GRAD_BYTES = int(a["patch_slice_mib"] * MIB)
     build = load_builder(a["model"], a["module"], input_size=a["input_size"])
@@ -79,15 +85,16 @@ def one(a: dict) -> dict:
 
 
 def table(args, rows) -> str:
-    head = ["patch slice MiB", "nodes", "no-remat", "simulated", "requested"] + \
+    head = ["reserved MiB", "patch slice MiB", "nodes", "no-remat", "simulated", "requested"] + \
         [f"held, first region {m:g} MiB" for m in args.regions] + ["measured (worst layout)"]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for slice_mib, r in rows:
+    for (reserve_mib, slice_mib), r in rows:
         name = "default" if slice_mib is None else f"{slice_mib:g}"
         if "error" in r:
-            out.append(f"| {name} | {r['nodes']} | {r['no_remat'] / MIB:.2f} | {r['error']} |")
+            out.append(f"| {reserve_mib:g} | {name} | {r['nodes']} | {r['no_remat'] / MIB:.2f} | "
+                       f"{r['error']} |")
             continue
-        cells = [name, str(r["nodes"])] + [f"{r[k] / MIB:.2f}" for k in
+        cells = [f"{reserve_mib:g}", name, str(r["nodes"])] + [f"{r[k] / MIB:.2f}" for k in
                                            ("no_remat", "simulated", "requested")]
         cells += [f"{r['replays'][str(m)] / MIB:.2f}" for m in args.regions]
         cells.append(f"{r['measured'] / MIB:.2f}")
@@ -108,6 +115,8 @@ def main(argv=None):
     p.add_argument("--batch", type=int, required=True)
     p.add_argument("--budget-mib", type=float, required=True, help="the solve's budget")
     p.add_argument("--patch-slice-mib", type=float, nargs="+", default=[None])
+    p.add_argument("--reserve-mib", type=float, nargs="+", default=[0],
+                   help="tf_remat.reserve_memory at the child's start (0: none)")
     p.add_argument("--regions", type=float, nargs="+", default=[2, 8, 16, 64, 1024],
                    help="first region sizes (MiB) to replay the step's allocations in")
     p.add_argument("--repeats", type=int, default=1,
@@ -117,9 +126,11 @@ def main(argv=None):
     p.add_argument("-o", "--output", help="append the table (markdown) to this file")
     args = p.parse_args(argv)
     rows = []
-    for slice_mib in [m for m in args.patch_slice_mib for _ in range(args.repeats)]:
-        a = {"model": args.model, "module": args.module, "input_size": args.input_size,
-             "batch": args.batch, "budget_mib": args.budget_mib, "strategy": args.strategy,
+    for reserve_mib, slice_mib in [(r, m) for r in args.reserve_mib
+                                   for m in args.patch_slice_mib for _ in range(args.repeats)]:
+        a = {"reserve_mib": reserve_mib, "model": args.model, "module": args.module,
+             "input_size": args.input_size, "batch": args.batch,
+             "budget_mib": args.budget_mib, "strategy": args.strategy,
              "time_limit": args.time_limit, "regions": args.regions,
              "patch_slice_mib": slice_mib}
         # a fresh process each: the slice size is read while tracing, and the measured peak
@@ -129,7 +140,7 @@ def main(argv=None):
         if proc.returncode:
             lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
             raise SystemExit(f"child failed: {lines[-1] if lines else proc.returncode}")
-        rows.append((slice_mib, json.loads(proc.stdout.strip().splitlines()[-1])))
+        rows.append(((reserve_mib, slice_mib), json.loads(proc.stdout.strip().splitlines()[-1])))
         print(table(args, rows[-1:]).splitlines()[-1], flush=True)
     src = args.module or args.model
     cmd = "python tools/bench_regions.py " + " ".join(argv)
