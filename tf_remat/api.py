@@ -287,8 +287,9 @@ def reserve_memory(budget_gb: float | None = None, *, budget_bytes: int | None =
     budget, made before anything else, leaves no small regions to land in: the residual CNN of
     ``benchmarks/results/allocator.md`` (batch 34, no oneDNN) measured 38.0-38.2 MiB for plans
     simulated at 27.7-28.2, and 30.4-32.1 MiB after ``reserve_memory`` of 128 or 512 MiB at the
-    start of its process, where ``optimize`` then met a 30.72 MiB budget it refuses without. Made after the model is built, the region does little: the small ones exist
-    by then, and a best-fit allocator fills them first (a warning says so).
+    start of its process, where ``optimize`` then met a 30.72 MiB budget it refuses without.
+    Made after the model is built, the region does little: the small ones exist by then, and a
+    best-fit allocator fills them first (a warning says so).
 
     The memory stays with TensorFlow's pool (as all memory it has allocated does), free for the
     process's tensors. On a GPU without memory growth TensorFlow takes one region of nearly all
@@ -296,9 +297,9 @@ def reserve_memory(budget_gb: float | None = None, *, budget_bytes: int | None =
     after, so the reservation is not counted as use.
 
     Not a gain for every step: in one large region the chunks freed tensors leave are handed
-    whole too, and TensorFlow's kernels size some scratch by the memory free (the held-out
-    ``siamese`` model's plain step measured 92 MiB with 256 MiB reserved against 81 without, in
-    the worst verification layout; ``seqcnn``'s 66 against 73). Measure both ways
+    whole too, and what TensorFlow's kernels request moved with the reservation as well (the
+    held-out ``siamese`` model's plain step measured 92 MiB with 256 MiB reserved against 81
+    without, in the worst verification layout; ``seqcnn``'s 66 against 73). Measure both ways
     (:func:`measure_peak` in a fresh process) before counting on it.
 
     Args:
