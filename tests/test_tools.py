@@ -341,6 +341,82 @@ def test_max_batch_probes_in_fresh_processes_and_survives_out_of_memory(tmp_path
     assert "plain batch 4: out of memory" in capsys.readouterr().err
 
 
+HELD_MODULE = textwrap.dedent('''
+    import os
+
+    import keras
+    import tensorflow as tf
+
+
+    def build(batch_size):
+        # before the model: what a 4.25 MiB tensor holds in this process's pool
+        before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+        with tf.device("CPU:0"):
+            t = tf.zeros([17 << 16])
+        held = tf.config.experimental.get_memory_info("CPU:0")["current"] - before
+        del t
+        with open(os.environ["TF_REMAT_TEST_HELD"], "a") as f:
+            f.write(f"{held}\\n")
+        inp = keras.Input((8,))
+        model = keras.Model(inp, keras.layers.Dense(10)(inp))  # train.py's labels: 0-9
+        model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+        return (model, tf.TensorSpec((batch_size, 8)), tf.TensorSpec((batch_size,), tf.int32))
+''')
+
+
+def test_max_batch_reserve_makes_each_probe_process_reserve_first(tmp_path, monkeypatch):
+    """``--reserve`` (and ``reserve=True``): each probe's process calls reserve_memory before
+    the model is built, so a 4.25 MiB tensor there holds its own size, not the 8 MiB region a
+    fresh pool grows for it (test_api's reserve test)."""
+    from tf_remat.batch import max_batch_size
+    from tf_remat.training import load_builder
+
+    path = tmp_path / "held.py"
+    path.write_text(HELD_MODULE)
+    held = {}
+    for mode in ("plain", "reserve"):
+        out = tmp_path / f"{mode}.txt"
+        if mode == "plain":  # the Python API
+            monkeypatch.setenv("TF_REMAT_TEST_HELD", str(out))
+            plain = max_batch_size(load_builder(module=f"{path}:build"), budget_gb=0.5,
+                                   start=1, max_batch=1, strategy="checkpoint-all",
+                                   time_limit=5, verbose=0).plain_batch
+        else:  # the command line
+            proc = subprocess.run(
+                [sys.executable, "-m", "tf_remat", "max-batch", "--module", f"{path}:build",
+                 "--budget-gb", "0.5", "--start", "1", "--max", "1", "--strategy",
+                 "checkpoint-all", "--time-limit", "5", "--reserve", "--json"],
+                capture_output=True, text=True, env=dict(_env(), TF_REMAT_TEST_HELD=str(out)),
+                timeout=600)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            plain = json.loads(proc.stdout.strip().splitlines()[-1])["plain_batch"]
+        assert plain == 1
+        held[mode] = [int(v) for v in out.read_text().split()]
+    mib = 2**20
+    # one probe (batch 1, plain: the rematerialized search starts above it), one process each
+    assert len(held["plain"]) == len(held["reserve"]) == 1, held
+    assert held["plain"][0] >= 8 * mib, held
+    assert 4.25 * mib <= held["reserve"][0] < 4.3 * mib, held
+
+
+def test_train_script_reserves_before_the_model_is_built(tmp_path):
+    path, out = tmp_path / "held.py", tmp_path / "held.txt"
+    path.write_text(HELD_MODULE)
+    cmd = [sys.executable, os.path.join(ROOT, "tools", "train.py"), "--module", f"{path}:build",
+           "--batch", "4", "--epochs", "1", "--batches-per-epoch", "2", "--no-remat",
+           "--reserve"]
+    env = dict(_env(), TF_REMAT_TEST_HELD=str(out))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 2
+    assert "--reserve reserves the budget: give --budget-gb too" in proc.stderr
+    assert not out.exists()
+    proc = subprocess.run(cmd + ["--budget-gb", "0.25"], capture_output=True, text=True,
+                          env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    held = [int(v) for v in out.read_text().split()]
+    assert held and all(4.25 * 2**20 <= h < 4.3 * 2**20 for h in held), held
+
+
 def test_a_size_with_no_plan_says_the_least_any_plan_reached(capsys):
     """A remat probe with no plan records and prints the least peak reached, so a user sees
     whether the size missed by a few percent or by far."""

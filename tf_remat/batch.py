@@ -134,6 +134,9 @@ import json, sys
 from tf_remat.batch import _probe
 from tf_remat.training import load_builder
 a = json.loads(sys.argv[1])
+if a.pop("reserve", None):
+    from tf_remat.api import reserve_memory
+    reserve_memory(budget_bytes=a["budget"])
 build = load_builder(a["model"], a["module"], input_size=a["input_size"],
                      num_classes=a["num_classes"])
 result = _probe(build, a["batch"], a["budget"], remat=a["remat"], strategy=a["strategy"],
@@ -147,8 +150,9 @@ print("tf-remat-probe " + json.dumps(list(result)), flush=True)
 _OOM_ERRORS = ("ResourceExhaustedError", "MemoryError")  # MemoryError: OutOfMemoryError too
 
 
-def _probe_isolated(spec: dict, batch, budget, **kw):
-    """:func:`_probe` in a fresh Python process: what a user's own process would measure.
+def _probe_isolated(spec: dict, batch, budget, reserve=False, **kw):
+    """:func:`_probe` in a fresh Python process: what a user's own process would measure;
+    ``reserve``: the process calls :func:`tf_remat.reserve_memory` with the budget first.
 
     Within one process the allocator keeps every region it grew, so the search's earlier
     probes change what later ones measure: TensorFlow's BFC allocator hands a request a whole
@@ -163,7 +167,7 @@ def _probe_isolated(spec: dict, batch, budget, **kw):
 
     from tf_remat.errors import RematError
 
-    args = dict(spec, batch=int(batch), budget=int(budget), **kw)
+    args = dict(spec, batch=int(batch), budget=int(budget), reserve=bool(reserve), **kw)
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(args)],
                           capture_output=True, text=True)
@@ -188,7 +192,8 @@ def max_batch_size(build, budget_gb: float | None = None, *, budget_bytes: int |
                    strategy: str = "auto", time_limit: float = 30.0, start: int = 1,
                    max_batch: int = 4096, cost_model: str = "flops",
                    verbose: int = 1, isolate: bool | None = None,
-                   confirm: int = 2, save_plan: str | None = None) -> MaxBatchResult:
+                   confirm: int = 2, save_plan: str | None = None,
+                   reserve: bool = False) -> MaxBatchResult:
     """Largest batch sizes that train within the budget, plain and with rematerialization.
 
     Args:
@@ -216,6 +221,11 @@ def max_batch_size(build, budget_gb: float | None = None, *, budget_bytes: int |
             --plan``: that plan measured within the budget, and measures within a few percent
             of that again.
             Nothing is written when rematerialization found no size above the plain one.
+        reserve: probe as a process that calls :func:`tf_remat.reserve_memory` with the
+            budget at its start: each probe's process does so before it builds the model
+            (without ``isolate``, this process, now). On the CPU that can move the sizes
+            either way (see ``reserve_memory``); a user who reserves in training should
+            search so too.
 
     Returns:
         :class:`MaxBatchResult`; both sizes were confirmed by a measured run within budget (a
@@ -249,6 +259,10 @@ def max_batch_size(build, budget_gb: float | None = None, *, budget_bytes: int |
         raise ValueError("isolate=True needs a build from tf_remat.training.load_builder (a zoo "
                          "name or 'file.py:function') that a fresh process can load")
 
+    if reserve and not isolate:
+        from tf_remat.api import reserve_memory
+
+        reserve_memory(budget_bytes=budget)  # it warns when the pool has grown already
     plans_dir = tempfile.mkdtemp(prefix="tf_remat_max_batch_") if save_plan else None
     fitted = {}  # batch -> the plan file of the last remat probe that fitted at it
 
@@ -258,7 +272,8 @@ def max_batch_size(build, budget_gb: float | None = None, *, budget_bytes: int |
         if plans_dir and remat:
             kw["save_plan"] = os.path.join(plans_dir, f"probe{len(probes)}.json")
         if isolate:
-            peak, secs, edge, reach = _probe_isolated(spec, batch, budget, **kw)
+            peak, secs, edge, reach = _probe_isolated(spec, batch, budget, reserve=reserve,
+                                                      **kw)
         else:
             peak, secs, edge, reach = _probe(build, batch, budget, **kw)
         ok = peak is not None and peak <= budget and not edge

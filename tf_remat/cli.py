@@ -177,7 +177,7 @@ def cmd_max_batch(args) -> int:
                             time_limit=args.time_limit, start=args.start,
                             max_batch=args.max, cost_model=args.cost_model,
                             verbose=0 if args.json else 1, confirm=args.confirm,
-                            save_plan=args.save_plan)
+                            save_plan=args.save_plan, reserve=args.reserve)
     if args.json:
         print(json.dumps(result.to_dict()))
     return 0
@@ -363,6 +363,9 @@ def _build_parser() -> argparse.ArgumentParser:
     s.add_argument("--save-plan", default=None,
                    help="write the plan that fitted at the reported rematerialized size "
                         "(JSON), for optimize(plan=...) or train.py --plan")
+    s.add_argument("--reserve", action="store_true",
+                   help="each probe's process calls tf_remat.reserve_memory with the budget "
+                        "before it builds the model (as a training script that does so)")
     s.add_argument("--json", action="store_true",
                    help='one line {"plain_batch", "remat_batch", "budget_bytes"}')
     s.set_defaults(func=cmd_max_batch)

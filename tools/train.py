@@ -40,6 +40,9 @@ def main(argv=None):
                    help="plan JSON to run instead of a first solve (from --save-plan or "
                         "step.plan.save): the same plan measures the same in every run")
     p.add_argument("--save-plan", default=None, help="write the plan that ran here (JSON)")
+    p.add_argument("--reserve", action="store_true",
+                   help="call tf_remat.reserve_memory with the budget before the model is "
+                        "built (measure with and without: it is not a gain on every step)")
     p.add_argument("--log", default=None, help="CSV file, one row per epoch")
     p.add_argument("--verbose", type=int, default=1)
     args = p.parse_args(argv)
@@ -48,6 +51,12 @@ def main(argv=None):
     from tf_remat.training import load_builder, load_function, train
 
     try:
+        if args.reserve:
+            if args.budget_gb is None:
+                raise ValueError("--reserve reserves the budget: give --budget-gb too")
+            from tf_remat.api import reserve_memory
+
+            reserve_memory(budget_gb=args.budget_gb)
         build = load_builder(args.model, args.module, input_size=args.input)
         dataset = load_function(args.data, "--data") if args.data else None
         _, rows, step = train(build, batch=args.batch, epochs=args.epochs,
