@@ -8,7 +8,7 @@ budget. Each model runs in its own process, so memory left over by one cannot co
 next. Memory is TensorFlow's allocator count on the device used (CPU here unless a GPU is seen).
 
     python tools/bench_max_batch.py [--models bn_cnn resnet50 ...] [--strategy S]
-        [--time-limit S] [-o benchmarks/results/max_batch.md]
+        [--time-limit S] [--budget-mib M] [--reserve] [-o benchmarks/results/max_batch.md]
 """
 
 from __future__ import annotations
@@ -42,17 +42,17 @@ CHILD = r"""
 import json, sys, time
 from tf_remat.batch import _probe, max_batch_size, memory_device
 from tf_remat.training import load_builder
-name, size, b0, top, strategy, limit = sys.argv[1:7]
-b0, top, limit = int(b0), int(top), float(limit)
+name, size, b0, top, strategy, limit, budget, reserve = sys.argv[1:9]
+b0, top, limit, budget = int(b0), int(top), float(limit), int(budget)
 build = load_builder(name, input_size=size)
 t = time.perf_counter()
 # the largest of three measurements (one step's peak moves by up to ~25% run to run), plus 2%,
 # so that the plain search's own measurement at b0 fits and the plain batch is not understated
-ref = max(_probe(build, b0, 1 << 62, remat=False, strategy=strategy, time_limit=limit,
-                 verbose=0, cost_model="flops")[0] for _ in range(3))
-ref = int(ref * 1.02)
+ref = budget or int(1.02 * max(_probe(build, b0, 1 << 62, remat=False, strategy=strategy,
+                                      time_limit=limit, verbose=0, cost_model="flops")[0]
+                               for _ in range(3)))
 r = max_batch_size(build, budget_bytes=ref, strategy=strategy, time_limit=limit, start=b0,
-                   max_batch=top, verbose=0)
+                   max_batch=top, verbose=0, reserve=reserve == "1")
 print(json.dumps({"model": name, "input": size, "b0": b0, "budget": ref,
                   "plain": r.plain_batch, "remat": r.remat_batch, "probes": len(r.probes),
                   "trail": [[p["batch"], p["remat"], p["fits"], p["confirm"]] for p in r.probes],
@@ -68,6 +68,12 @@ def main(argv=None) -> int:
     ap.add_argument("--model-timeout", type=float, default=1200.0,
                     help="seconds for one model's whole search (a model over it is reported as "
                          "timed out)")
+    ap.add_argument("--budget-mib", type=float, default=None,
+                    help="this budget for every model, not one measured at b0 (to compare "
+                         "runs at one budget)")
+    ap.add_argument("--reserve", action="store_true",
+                    help="each probe's process calls tf_remat.reserve_memory with the budget "
+                         "first (max-batch --reserve)")
     ap.add_argument("-o", "--output", default=os.path.join(ROOT, "benchmarks", "results",
                                                            "max_batch.md"))
     args = ap.parse_args(argv)
@@ -77,7 +83,8 @@ def main(argv=None) -> int:
     rows = []
     for name, size, b0, top in wanted:
         cmd = [sys.executable, "-c", CHILD, name, size, str(b0), str(top), args.strategy,
-               str(args.time_limit)]
+               str(args.time_limit), str(int((args.budget_mib or 0) * 2**20)),
+               "1" if args.reserve else "0"]
         t = time.perf_counter()
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, env=env,
@@ -135,10 +142,13 @@ def _trail(trail):
 def _markdown(rows, args):
     out = ["# Largest batch within a memory budget: plain step vs rematerialized", "",
            f"`python tools/bench_max_batch.py --strategy {args.strategy} --time-limit "
-           f"{args.time_limit:g}` on {platform.machine()}, {os.cpu_count()} cores "
+           f"{args.time_limit:g}"
+           + (f" --budget-mib {args.budget_mib:g}" if args.budget_mib else "")
+           + (" --reserve" if args.reserve else "")
+           + f"` on {platform.machine()}, {os.cpu_count()} cores "
            f"(shared with other jobs while it ran; sizes are memory facts, not timings).", "",
-           "Budget: 1.02x the largest of three measured peaks of the plain step at batch b0. "
-           "Every size below was confirmed by running the step and reading TensorFlow's "
+           ("Budget: given. " if args.budget_mib else "Budget: 1.02x the largest of three "
+            "measured peaks of the plain step at batch b0. ") + "Every size below was confirmed by running the step and reading TensorFlow's "
            "allocator peak (`get_memory_info`) within the budget. Costs for the solver: "
            "`flops`.", "",
            "| model | input | b0 | budget MiB | plain batch | remat batch | ratio | probes "
