@@ -148,7 +148,8 @@ def _markdown(rows, args):
            + f"` on {platform.machine()}, {os.cpu_count()} cores "
            f"(shared with other jobs while it ran; sizes are memory facts, not timings).", "",
            ("Budget: given. " if args.budget_mib else "Budget: 1.02x the largest of three "
-            "measured peaks of the plain step at batch b0. ") + "Every size below was confirmed by running the step and reading TensorFlow's "
+            "measured peaks of the plain step at batch b0. ")
+           + "Every size below was confirmed by running the step and reading TensorFlow's "
            "allocator peak (`get_memory_info`) within the budget. Costs for the solver: "
            "`flops`.", "",
            "| model | input | b0 | budget MiB | plain batch | remat batch | ratio | probes "
