@@ -1710,6 +1710,11 @@ def test_reserve_memory_after_the_pool_grew_warns_and_checks_its_size():
     with pytest.warns(UserWarning, match="before the model is built"):
         tf_remat.reserve_memory(budget_bytes=1 << 20, device="CPU:0")
     del held
+    # more than the device holds: TensorFlow's out-of-memory error is not what a caller sees
+    with warnings.catch_warnings(), pytest.raises(tf_remat.errors.RematError,
+                                                  match="could not allocate 1024.00 TiB"):
+        warnings.simplefilter("ignore")
+        tf_remat.reserve_memory(budget_bytes=2**50, device="CPU:0")
 
 
 def test_measure_peak_of_a_step_that_does_not_fit_says_what_to_do(monkeypatch):

@@ -399,6 +399,24 @@ def test_max_batch_reserve_makes_each_probe_process_reserve_first(tmp_path, monk
     assert 4.25 * mib <= held["reserve"][0] < 4.3 * mib, held
 
 
+def test_max_batch_reserve_over_the_device_says_so_and_stops(tmp_path, monkeypatch):
+    """A budget the device cannot hold at once fails the reservation in the probe's process:
+    the search stops with the reason, not a size taken for one that ran out of memory."""
+    from tf_remat.batch import max_batch_size
+    from tf_remat.errors import RematError
+    from tf_remat.training import load_builder
+
+    path = tmp_path / "held.py"
+    path.write_text(HELD_MODULE)
+    monkeypatch.setenv("TF_REMAT_TEST_HELD", str(tmp_path / "held.txt"))
+    with pytest.raises(RematError, match=r"batch 1 .*reserve_memory could not allocate "
+                                         r"1024\.00 TiB on CPU:0.*reserve less"):
+        max_batch_size(load_builder(module=f"{path}:build"), budget_bytes=2**50, start=1,
+                       max_batch=1, strategy="checkpoint-all", time_limit=5, verbose=0,
+                       reserve=True)
+    assert not (tmp_path / "held.txt").exists()  # stopped before the model was built
+
+
 def test_train_script_reserves_before_the_model_is_built(tmp_path):
     path, out = tmp_path / "held.py", tmp_path / "held.txt"
     path.write_text(HELD_MODULE)

@@ -310,7 +310,8 @@ def reserve_memory(budget_gb: float | None = None, *, budget_bytes: int | None =
 
     Raises:
         RematError: TensorFlow keeps no memory statistics for ``device`` in this process (its
-            CPU allocator is then not the BFC allocator, and there is no pool to grow).
+            CPU allocator is then not the BFC allocator, and there is no pool to grow), or
+            the device cannot hold the size at once.
 
     Example:
         >>> import tf_remat                                          # doctest: +SKIP
@@ -330,8 +331,15 @@ def reserve_memory(budget_gb: float | None = None, *, budget_bytes: int | None =
              f"{device}: its pool has smaller regions already, where allocations land first, "
              f"so the reservation does little; call it right after import tf_remat, before "
              f"the model is built")
-    with tf.device(device):
-        block = tf.zeros([-(-nbytes // 4)], tf.float32)
+    try:
+        with tf.device(device):
+            block = tf.zeros([-(-nbytes // 4)], tf.float32)
+    except tf.errors.ResourceExhaustedError:
+        # not chained: a caller (max-batch's probe process) takes TensorFlow's out-of-memory
+        # error for a batch size that does not fit, and this is the budget that does not
+        raise RematError(f"reserve_memory could not allocate {format_bytes(nbytes)} on "
+                         f"{device}: the device does not hold that much at once; reserve "
+                         f"less (the budget is more than it has free)") from None
     del block
     tf.config.experimental.reset_memory_stats(device)
 

@@ -136,7 +136,12 @@ from tf_remat.training import load_builder
 a = json.loads(sys.argv[1])
 if a.pop("reserve", None):
     from tf_remat.api import reserve_memory
-    reserve_memory(budget_bytes=a["budget"])
+    from tf_remat.errors import RematError
+    try:
+        reserve_memory(budget_bytes=a["budget"])
+    except RematError as exc:
+        print("tf-remat-probe-error " + str(exc), flush=True)
+        sys.exit(3)
 build = load_builder(a["model"], a["module"], input_size=a["input_size"],
                      num_classes=a["num_classes"])
 result = _probe(build, a["batch"], a["budget"], remat=a["remat"], strategy=a["strategy"],
@@ -179,6 +184,9 @@ def _probe_isolated(spec: dict, batch, budget, reserve=False, **kw):
                     if not ln.startswith("tf-remat-probe "):
                         print(ln)
             return tuple(json.loads(line[len("tf-remat-probe "):]))
+        if line.startswith("tf-remat-probe-error "):  # not the size: the search cannot go on
+            raise RematError(f"the probe at batch {batch} failed in its process: "
+                             f"{line[len('tf-remat-probe-error '):]}")
     # out of memory in its own process (TensorFlow's error, or killed by the system): the size
     # does not fit, and the search goes on, where in a shared process it would have ended
     if proc.returncode < 0 or any(e in proc.stderr for e in _OOM_ERRORS):
