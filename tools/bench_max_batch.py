@@ -18,6 +18,7 @@ import json
 import os
 import platform
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -52,7 +53,7 @@ ref = budget or int(1.02 * max(_probe(build, b0, 1 << 62, remat=False, strategy=
                                       time_limit=limit, verbose=0, cost_model="flops")[0]
                                for _ in range(3)))
 r = max_batch_size(build, budget_bytes=ref, strategy=strategy, time_limit=limit, start=b0,
-                   max_batch=top, verbose=0, reserve=reserve == "1")
+                   max_batch=top, verbose=1, reserve=reserve == "1")
 print(json.dumps({"model": name, "input": size, "b0": b0, "budget": ref,
                   "plain": r.plain_batch, "remat": r.remat_batch, "probes": len(r.probes),
                   "trail": [[p["batch"], p["remat"], p["fits"], p["confirm"]] for p in r.probes],
@@ -86,14 +87,20 @@ def main(argv=None) -> int:
                str(args.time_limit), str(int((args.budget_mib or 0) * 2**20)),
                "1" if args.reserve else "0"]
         t = time.perf_counter()
+        # a session of its own: at the limit the probe's process it started goes too, not
+        # only the search's (an orphaned probe would measure on beside the next model)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env=env, start_new_session=True)
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=env,
-                                  timeout=args.model_timeout)
+            out, err = proc.communicate(timeout=args.model_timeout)
         except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
             row = {"model": name, "input": size, "b0": b0, "seconds": time.perf_counter() - t,
-                   "error": f"search not finished in {args.model_timeout:g} s"}
+                   "error": f"search not finished in {args.model_timeout:g} s",
+                   "progress": _progress(err)}
         else:
-            row = _row(proc, name, size, b0, time.perf_counter() - t)
+            row = _row(proc.returncode, out, err, name, size, b0, time.perf_counter() - t)
         rows.append(row)
         print(_line(row), flush=True)
         # written after every model: a long run stopped part way keeps what it measured
@@ -104,17 +111,24 @@ def main(argv=None) -> int:
     return 0
 
 
-def _row(proc, name, size, b0, seconds):
+def _row(returncode, stdout, stderr, name, size, b0, seconds):
     """The child's JSON line, or an error row with its last stderr line."""
-    if proc.returncode != 0:
-        lines = proc.stderr.strip().splitlines() or ["?"]
+    if returncode != 0:
+        lines = stderr.strip().splitlines() or ["?"]
         # the error, not the last warning TensorFlow printed
         errors = [line for line in lines if re.match(r"\s*[\w.]*(Error|Exception)\b", line)]
         err = (errors or lines)[-1].strip()[:160]
-        if proc.returncode < 0:
-            err = f"killed by signal {-proc.returncode}; last line: {err}"
+        if returncode < 0:
+            err = f"killed by signal {-returncode}; last line: {err}"
         return {"model": name, "input": size, "b0": b0, "error": err, "seconds": seconds}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+def _progress(stderr):
+    """The probes a search had finished, from its progress lines (``max-batch N  T s ...``):
+    what a search stopped by the time limit leaves to report."""
+    lines = (re.match(r"max-batch \d+\s+([\d.]+)s (.*)", ln) for ln in (stderr or "").splitlines())
+    return [f"{m[2]} (at {float(m[1]):.0f} s)" for m in lines if m]
 
 
 def _mib(b):
@@ -123,7 +137,7 @@ def _mib(b):
 
 def _line(r):
     if "error" in r:
-        return f"{r['model']}: error {r['error']}"
+        return "\n  ".join([f"{r['model']}: error {r['error']}"] + r.get("progress", []))
     ratio = r["remat"] / r["plain"] if r["plain"] else float("nan")
     return (f"{r['model']} {r['input']}: budget {_mib(r['budget'])} MiB, plain {r['plain']}, "
             f"remat {r['remat']} ({ratio:.2f}x), {r['probes']} probes, {r['seconds']:.0f} s")
@@ -165,6 +179,10 @@ def _markdown(rows, args):
                    f"{r['seconds']:.0f} |")
     devices = {r["device"] for r in rows if "device" in r} or {"?"}
     out += ["", "Device: " + ", ".join(sorted(devices)) + ".", ""]
+    for r in rows:
+        if r.get("progress"):
+            out += [f"{r['model']}, the probes finished before the limit:", ""]
+            out += [f"* {p}" for p in r["progress"]] + [""]
     trails = [r for r in rows if r.get("trail")]
     if trails:
         out += ["Probes in order (+ fits, - does not; c: a confirmation):", ""]
