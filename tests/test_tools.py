@@ -399,6 +399,33 @@ def test_max_batch_reserve_makes_each_probe_process_reserve_first(tmp_path, monk
     assert 4.25 * mib <= held["reserve"][0] < 4.3 * mib, held
 
 
+def test_max_batch_reserve_without_isolation_reserves_in_the_calling_process(tmp_path):
+    """A ``build`` that is any callable is probed in the calling process: ``reserve=True``
+    reserves there, once, before the first probe builds the model. Run in a fresh process,
+    whose pool has not grown yet (this one's has)."""
+    path = tmp_path / "held.py"
+    path.write_text(HELD_MODULE)
+    out = tmp_path / "held.txt"
+    script = textwrap.dedent(f'''
+        import sys, warnings
+        sys.path.insert(0, {str(tmp_path)!r})
+        from held import build
+        from tf_remat.batch import max_batch_size
+        # reserving after the pool grew warns: fail on that
+        warnings.filterwarnings("error", message="tf-remat: reserve_memory")
+        r = max_batch_size(build, budget_gb=0.5, start=1, max_batch=2,
+                           strategy="checkpoint-all", time_limit=5, verbose=0, reserve=True)
+        print(r.plain_batch)
+    ''')
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env=dict(_env(), TF_REMAT_TEST_HELD=str(out)), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split()[-1] == "2"
+    held = [int(v) for v in out.read_text().split()]
+    # probes at 1 and 2, one process: the reserved region holds each 4.25 MiB tensor at its size
+    assert len(held) == 2 and all(4.25 * 2**20 <= h < 4.3 * 2**20 for h in held), held
+
+
 def test_max_batch_reserve_over_the_device_says_so_and_stops(tmp_path, monkeypatch):
     """A budget the device cannot hold at once fails the reservation in the probe's process:
     the search stops with the reason, not a size taken for one that ran out of memory."""
