@@ -99,6 +99,9 @@ def main(argv=None) -> int:
             row = {"model": name, "input": size, "b0": b0, "seconds": time.perf_counter() - t,
                    "error": f"search not finished in {args.model_timeout:g} s",
                    "progress": _progress(err)}
+        except BaseException:  # Ctrl-C: its own session does not see the terminal's signal
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise
         else:
             row = _row(proc.returncode, out, err, name, size, b0, time.perf_counter() - t)
         rows.append(row)
