@@ -364,6 +364,8 @@ def test_static_order_is_timed_into_the_prediction_and_leaves_the_weights():
     assert rep["predicted_step_seconds"] == pytest.approx(
         rep["plain_step_seconds"] * (1 + rep["predicted_overhead"]))
     assert "static order" in step.summary()
+    # timed against the step the user would run without tf-remat, not the edited trace
+    assert rep["order_reference"] == "keras"
     # timing ran the plain step's optimizer update many times: all of it undone
     after = [v.numpy() for v in list(model.variables) + list(model.optimizer.variables)]
     assert len(before) == len(after)
@@ -599,6 +601,33 @@ def test_loop_memory_bounds_the_budget_and_the_error_says_why():
         tf_remat.optimize(model, budget_bytes=2 << 20, input_spec=tf.TensorSpec((512, 256)),
                           label_spec=tf.TensorSpec((512,), tf.int32), attach=False, **FAST)
     assert all(np.array_equal(a, v.numpy()) for a, v in zip(before, model.variables))
+
+
+def test_static_order_timed_against_the_traced_step_where_keras_step_runs_out_of_memory(
+        monkeypatch):
+    """Keras's own kernels take scratch the edited step does not: where that step cannot run,
+    the static order is timed against the traced one, and the report says so."""
+    import tf_remat.extract as extract_mod
+
+    real = extract_mod.trace_training_step
+
+    def keras_step_out_of_memory(*args, **kwargs):
+        traced = real(*args, **kwargs)
+        if kwargs.get("conv_gradients") == "tensorflow":
+            def oom(x, y):
+                raise tf.errors.ResourceExhaustedError(None, None, "OOM when allocating")
+            traced.function = oom
+        return traced
+
+    monkeypatch.setattr(extract_mod, "trace_training_step", keras_step_out_of_memory)
+    model, xs, ys = fresh(skip_cnn)
+    step = tf_remat.optimize(model, budget_gb=1.0, input_spec=xs, label_spec=ys, attach=False,
+                             **TIMED)
+    rep = step.report
+    assert rep["order_reference"] == "traced"
+    assert -0.5 < rep["static_order_overhead"] < 1.0 and rep["plain_step_seconds"] > 0
+    assert rep["predicted_overhead"] == pytest.approx(
+        (1 + rep["static_order_overhead"]) * (1 + rep["recompute_overhead"]) - 1)
 
 
 def test_a_bidirectional_rnn_overlaps_its_loops_and_prices_what_it_does_not():
