@@ -1266,11 +1266,14 @@ def test_a_batch_of_other_dimensions_gets_a_plan_of_its_own():
         return model, tf.TensorSpec((32, 256, 8)), tf.TensorSpec((32,), tf.int32)
 
     model, xs, ys = fresh(build)
-    # a budget a little over the spec's plain step and well under the longer one's (1.5 times
-    # the activations). Three blocks, not one, leave a plan room under it: with one, the
+    # a budget a little over the spec's plain step and well under the longer one's (twice the
+    # activations). Three blocks, not one, leave a plan room under it: with one, the
     # longer step's plain peak measured 16.2-18.6 MiB from run to run on the oneDNN machine
-    # and its lowest plan 15.5, so 0.95 of the plain peak was refused in one CI run
-    longer = tf.TensorSpec((32, 384, 8))
+    # and its lowest plan 15.5, so 0.95 of the plain peak was refused in one CI run. At 1.5
+    # times the activations (length 384) the two plain peaks measured 25-29 and 35-37 MiB in
+    # fresh processes, but 30.8 and 32.5 after the file's earlier tests in one CI worker (the
+    # allocator's history), and the budget came out over the longer step's plain peak
+    longer = tf.TensorSpec((32, 512, 8))
 
     def plain_peak(spec):  # the median of three: one CI run measured 30.3 and 31.5 MiB
         from tf_remat.api import measure_step_peak
@@ -1290,7 +1293,7 @@ def test_a_batch_of_other_dimensions_gets_a_plan_of_its_own():
     g1, g2 = plain_and_step_gradients(model, longer, ys, step, x, y)
     scale = max(float(np.abs(g).max()) for g in g1)
     assert len(g1) == len(g2) and all(close(a, b, scale) for a, b in zip(g1, g2))
-    key = ((32, 384, 8), (32,))
+    key = ((32, 512, 8), (32,))
     assert any(k[-1] == key for k in step._grads)
     history = model.fit(x.numpy(), y.numpy(), batch_size=32, epochs=2, verbose=0)
     assert np.all(np.isfinite(history.history["loss"]))
