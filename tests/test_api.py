@@ -314,8 +314,12 @@ def test_infeasible_budget_under_auto_names_a_peak_a_solver_reaches(capsys):
     assert "searching 3 s for the smallest budget" in capsys.readouterr().err
     reach = info.value.min_feasible
     assert g.budget_lower_bound <= reach < 0.95 * greedy
+    # met given time: with the search's 3 s again, one CI run's solve (both cores busy with
+    # the other worker) found 19.41 MiB for a 17.77 MiB budget, 1.02 times a peak that
+    # the search had reached; the message names "more time" among the remedies
     step = tf_remat.optimize(model, budget_bytes=int(reach * 1.02), input_spec=xs,
-                             label_spec=ys, attach=False, **{**opts, "verify": False})
+                             label_spec=ys, attach=False,
+                             **{**opts, "verify": False, "time_limit": 10})
     assert step.report["predicted_peak_bytes"] <= reach * 1.02
 
 
