@@ -1,11 +1,12 @@
 #!/usr/bin/env python
 """Largest trainable batch per zoo model, plain vs rematerialized; writes max_batch.md.
 
-For each model the budget is the measured peak of the plain training step at a reference batch
-size ``b0`` (so the plain search lands at about ``b0``); then :func:`tf_remat.max_batch_size`
-searches both sizes, every reported size confirmed by a measured run of the step within the
-budget. Each model runs in its own process, so memory left over by one cannot count against the
-next. Memory is TensorFlow's allocator count on the device used (CPU here unless a GPU is seen).
+For each model the budget less ``optimize``'s verification margin is the measured peak of the
+plain training step at a reference batch size ``b0`` (so the plain search lands at about
+``b0``); then :func:`tf_remat.max_batch_size` searches both sizes, every reported size
+confirmed by measured runs of the step within the budget less that margin. Each model runs in
+its own process, so memory left over by one cannot count against the next. Memory is
+TensorFlow's allocator count on the device used (CPU here unless a GPU is seen).
 
     python tools/bench_max_batch.py [--models bn_cnn resnet50 ...] [--strategy S]
         [--time-limit S] [--budget-mib M] [--reserve] [-o benchmarks/results/max_batch.md]
@@ -48,10 +49,22 @@ b0, top, limit, budget = int(b0), int(top), float(limit), int(budget)
 build = load_builder(name, input_size=size)
 t = time.perf_counter()
 # the largest of three measurements (one step's peak moves by up to ~25% run to run), plus 2%,
-# so that the plain search's own measurement at b0 fits and the plain batch is not understated
-ref = budget or int(1.02 * max(_probe(build, b0, 1 << 62, remat=False, strategy=strategy,
-                                      time_limit=limit, verbose=0, cost_model="flops")[0]
-                               for _ in range(3)))
+# as the budget less optimize's verification margin (the plain probes are held to it too), so
+# that the plain search's own measurement at b0 fits and the plain batch is not understated
+ref = budget
+if not ref:
+    from tf_remat.batch import _largest_value, _plain_step
+    from tf_remat.profile import synthetic_batch
+    peak = 1.02 * max(_probe(build, b0, 1 << 62, remat=False, strategy=strategy,
+                             time_limit=limit, verbose=0, cost_model="flops")[0]
+                      for _ in range(3))
+    model, ispec, lspec = build(b0)
+    model.optimizer.build(model.trainable_variables)
+    x, y = synthetic_batch(ispec, () if lspec is None else lspec)
+    big = _largest_value(_plain_step(model, model.optimizer), x, y)
+    del model, x, y
+    # the margin: half the largest value, within 5% to 15% of the budget
+    ref = int(max(peak / 0.95, min(peak / 0.85, peak + 0.5 * big)))
 r = max_batch_size(build, budget_bytes=ref, strategy=strategy, time_limit=limit, start=b0,
                    max_batch=top, verbose=1, reserve=reserve == "1")
 print(json.dumps({"model": name, "input": size, "b0": b0, "budget": ref,
@@ -164,11 +177,12 @@ def _markdown(rows, args):
            + (" --reserve" if args.reserve else "")
            + f"` on {platform.machine()}, {os.cpu_count()} cores "
            f"(shared with other jobs while it ran; sizes are memory facts, not timings).", "",
-           ("Budget: given. " if args.budget_mib else "Budget: 1.02x the largest of three "
-            "measured peaks of the plain step at batch b0. ")
+           ("Budget: given. " if args.budget_mib else "Budget: the budget less "
+            "`optimize`'s verification margin is 1.02x the largest of three measured peaks "
+            "of the plain step at batch b0. ")
            + "Every size below was confirmed by running the step and reading TensorFlow's "
-           "allocator peak (`get_memory_info`) within the budget. Costs for the solver: "
-           "`flops`.", "",
+           "allocator peak (`get_memory_info`) within the budget less that margin, in each "
+           "of `optimize`'s allocator layouts. Costs for the solver: `flops`.", "",
            "| model | input | b0 | budget MiB | plain batch | remat batch | ratio | probes "
            "| search s |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
