@@ -130,6 +130,17 @@ def cnn_step():
     return model, xs, ys, ref, base, step
 
 
+@pytest.mark.parametrize("target,largest", [(791_000_000, 64 << 20), (100 << 20, 14 << 20),
+                                            (100 << 20, 40 << 20), (10 << 20, 9 << 20)])
+def test_verification_budget_is_the_margins_inverse(target, largest):
+    """``verification_budget`` gives the budget whose target is ``target``, at the margin's
+    floor (5%), in between (half the largest value) and at its cap (15%)."""
+    from tf_remat.api import verification_budget, verification_margin
+
+    budget = verification_budget(target, largest)
+    assert budget * (1 - verification_margin(budget, largest)) == pytest.approx(target, abs=2)
+
+
 @pytest.mark.parametrize("name", ["cnn", "mlp"])
 def test_optimized_step_trains_like_keras(name, request):
     if name == "cnn":

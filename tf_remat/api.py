@@ -112,6 +112,14 @@ def verification_margin(budget: int, largest: int) -> float:
     return min(_MAX_MARGIN, max(_MEASURE_MARGIN, _MEASURE_MARGIN_LARGEST * largest / budget))
 
 
+def verification_budget(target: int, largest: int) -> int:
+    """The budget whose verification target (the budget less :func:`verification_margin`) is
+    ``target`` bytes, for a graph whose largest value is ``largest`` bytes: the margin's
+    formula solved for the budget."""
+    return int(max(target / (1 - _MEASURE_MARGIN),
+                   min(target / (1 - _MAX_MARGIN), target + _MEASURE_MARGIN_LARGEST * largest)))
+
+
 def verification_layouts(largest: int) -> list:
     """The ``ballast`` argument of :func:`measure_step_peak` with which ``optimize`` verifies a
     plan whose graph's largest value is ``largest`` bytes."""

@@ -145,18 +145,11 @@ def _largest_value(step, x, y) -> int:
     """Bytes of the largest tensor the traced ``step(x, y)`` computes (a weight's gradient
     included): what :func:`tf_remat.api.verification_margin` and the verification layouts
     scale with, from the step's own graph, without tracing it for a solver."""
-    import tensorflow as tf
+    from tf_remat.extract import tensor_bytes
 
     graph = step.get_concrete_function(x, y).graph
-    largest = 0
-    for op in graph.get_operations():
-        for out in op.outputs:
-            if out.dtype in (tf.resource, tf.variant, tf.string):
-                continue
-            n = out.shape.num_elements()  # None: a shape only known at run time
-            if n is not None:
-                largest = max(largest, n * out.dtype.size)
-    return largest
+    return max((tensor_bytes(out) for op in graph.get_operations() for out in op.outputs),
+               default=0)
 
 
 #: the child that runs one probe in a fresh process (see ``_probe_isolated``)

@@ -53,7 +53,7 @@ t = time.perf_counter()
 # that the plain search's own measurement at b0 fits and the plain batch is not understated
 ref = budget
 if not ref:
-    from tf_remat.api import _MAX_MARGIN, _MEASURE_MARGIN, _MEASURE_MARGIN_LARGEST
+    from tf_remat.api import verification_budget
     from tf_remat.batch import _largest_value, _plain_step
     from tf_remat.profile import synthetic_batch
     peak = 1.02 * max(_probe(build, b0, 1 << 62, remat=False, strategy=strategy,
@@ -64,10 +64,7 @@ if not ref:
     x, y = synthetic_batch(ispec, () if lspec is None else lspec)
     big = _largest_value(_plain_step(model, model.optimizer), x, y)
     del model, x, y
-    # verification_margin solved for the budget: a share of the largest value, kept within
-    # its least and most shares of the budget
-    ref = int(max(peak / (1 - _MEASURE_MARGIN), min(peak / (1 - _MAX_MARGIN),
-                                                    peak + _MEASURE_MARGIN_LARGEST * big)))
+    ref = verification_budget(int(peak), big)
 r = max_batch_size(build, budget_bytes=ref, strategy=strategy, time_limit=limit, start=b0,
                    max_batch=top, verbose=1, reserve=reserve == "1")
 print(json.dumps({"model": name, "input": size, "b0": b0, "budget": ref,
