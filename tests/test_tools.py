@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
+import types
 
 import pytest
 
@@ -138,7 +140,8 @@ def test_max_batch_cli_json_and_remeasured(module_file, budget_gb, tmp_path):
         capture_output=True, text=True, env=_env(), timeout=1500)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert set(out) == {"plain_batch", "remat_batch", "budget_bytes"}
+    assert set(out) == {"plain_batch", "remat_batch", "budget_bytes", "complete"}
+    assert out["complete"] is True
     assert abs(out["budget_bytes"] - budget_gb * 2**30) <= 1
     assert out["plain_batch"] >= 1
     # rematerialization must buy a real increase on this activation-heavy model; without
@@ -581,6 +584,102 @@ def test_confirmation_of_a_size_at_the_floor_solves_nothing():
     from tf_remat.batch import _confirmed
 
     assert _confirmed(lambda b: pytest.fail("solved"), 16, 16, 2) == 16
+
+
+def test_sizes_confirmed_so_far_need_every_probe_passed():
+    from tf_remat.batch import _confirmed_so_far
+
+    def probe(batch, remat, fits):
+        return {"batch": batch, "remat": remat, "fits": fits}
+
+    probes = [probe(8, False, True), probe(16, False, False), probe(12, False, True),
+              probe(24, True, True), probe(48, True, False), probe(36, True, True),
+              probe(36, True, True), probe(36, True, False),  # a confirmation failed
+              probe(35, True, True), probe(35, True, True), probe(35, True, True),
+              probe(30, True, True), probe(30, True, True)]  # one confirmation short
+    assert _confirmed_so_far(probes, 3) == (12, 35)
+    assert _confirmed_so_far(probes, 1) == (12, 35)  # 36 failed once: never reported
+    assert _confirmed_so_far(probes[:3], 3) == (12, 0)
+    assert _confirmed_so_far([], 3) == (0, 0)
+
+
+def test_max_batch_deadline_reports_what_was_confirmed_and_starts_no_probe_after_it(
+        monkeypatch, capsys):
+    """Probes each taking 10 s of a fake clock: the plain search (8 fits, 9 does not) and a
+    rematerialized one (up to 20 fits) with two confirmations; a deadline between two probes
+    stops the search there, reporting the sizes confirmed by then."""
+    from tf_remat import batch
+
+    clock = [0.0]
+    monkeypatch.setattr(batch, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+
+    def probe(build, b, budget, *, remat, **kw):
+        clock[0] += 10
+        return (100 if b <= (20 if remat else 8) else 200), 10.0, False, None
+
+    monkeypatch.setattr(batch, "_probe", probe)
+
+    def search(deadline):
+        clock[0] = 0.0
+        return batch.max_batch_size(lambda b: None, budget_bytes=150, start=4, max_batch=64,
+                                    deadline=deadline, verbose=1)
+
+    full = search(None)
+    assert (full.plain_batch, full.remat_batch, full.complete) == (8, 20, True)
+    n = len(full.probes)
+    order = [(p["batch"], p["remat"]) for p in full.probes]
+    assert order[-2:] == [(20, True), (20, True)]  # its two confirmations come last
+    capsys.readouterr()
+    # probe k (from 0) begins at 10 k s and starts only while that is before the deadline
+    for deadline, done, expect in [(10 * n - 15, n - 1, (8, 8)),  # all but a confirmation
+                                   (10 * n - 5, n, (8, 20)),  # every probe begun in time
+                                   (65, 7, (8, 8)),  # the plain search done, one more
+                                   (55, 6, (8, 8)),  # stopped as the plain search ended
+                                   (35, 4, (8, 8)),  # plain search part way: 4, 8 fit
+                                   (15, 2, (8, 8)), (5, 1, (4, 4))]:
+        r = search(deadline)
+        assert [(p["batch"], p["remat"]) for p in r.probes] == order[:done]
+        assert (r.plain_batch, r.remat_batch) == expect
+        assert r.complete is (done == n)
+        assert r.plain_complete is (done >= 6)  # the plain search's six probes all done
+        assert r.to_dict()["complete"] is r.complete
+        out = capsys.readouterr().out
+        assert ("stopped at its deadline" in out) is (done < n)
+        assert ("plain batch at least" in out) is (done < 6)
+        assert ("rematerialization at least" in out) is (done < n)
+
+
+SLEEPY_MODULE = textwrap.dedent('''
+    import time
+
+
+    def build(batch_size):
+        time.sleep(600)  # a probe that would take far longer than the search may
+''')
+
+
+def test_max_batch_deadline_stops_a_probe_under_way_in_its_process(tmp_path):
+    """From the command line, a probe's process still running at the deadline is killed and
+    the search reports, marked incomplete, rather than waiting on it."""
+    path = tmp_path / "sleepy.py"
+    path.write_text(SLEEPY_MODULE)
+    t0 = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-m", "tf_remat", "max-batch", "--module", f"{path}:build",
+         "--budget-gb", "1", "--start", "1", "--deadline", "5", "--json"],
+        capture_output=True, text=True, env=_env(), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out == {"plain_batch": 0, "remat_batch": 0, "budget_bytes": 2**30,
+                   "complete": False}
+    assert time.perf_counter() - t0 < 120  # not the probe's 600 s sleep
+
+
+def test_max_batch_rejects_a_deadline_that_is_not_positive():
+    from tf_remat.batch import max_batch_size
+
+    with pytest.raises(ValueError, match="deadline"):
+        max_batch_size(lambda b: None, budget_bytes=1 << 20, deadline=0)
 
 
 def test_max_batch_rejects_negative_confirm():

@@ -25,12 +25,17 @@ __all__ = ["MaxBatchResult", "max_batch_size", "memory_device"]
 @dataclasses.dataclass
 class MaxBatchResult:
     """``plain_batch`` / ``remat_batch``: largest sizes confirmed within ``budget_bytes``
-    (0 if even the smallest tried does not fit); ``probes`` every measurement made."""
+    (0 if even the smallest tried does not fit); ``probes`` every measurement made;
+    ``complete`` False when the search stopped at its ``deadline``, the sizes then being the
+    largest confirmed by then: each fits, a larger one may too (``plain_complete``: the plain
+    search had finished, so ``plain_batch`` is its answer)."""
 
     plain_batch: int
     remat_batch: int
     budget_bytes: int
     probes: list
+    complete: bool = True
+    plain_complete: bool = True
 
     @property
     def ratio(self) -> float | None:
@@ -38,7 +43,7 @@ class MaxBatchResult:
 
     def to_dict(self) -> dict:
         return {"plain_batch": self.plain_batch, "remat_batch": self.remat_batch,
-                "budget_bytes": self.budget_bytes}
+                "budget_bytes": self.budget_bytes, "complete": self.complete}
 
 
 def memory_device() -> str:
@@ -179,9 +184,14 @@ print("tf-remat-probe " + json.dumps(list(result)), flush=True)
 _OOM_ERRORS = ("ResourceExhaustedError", "MemoryError")  # MemoryError: OutOfMemoryError too
 
 
-def _probe_isolated(spec: dict, batch, budget, reserve=False, **kw):
+class _DeadlineReached(Exception):
+    """The search's ``deadline`` passed before a probe began, or while one ran in its process."""
+
+
+def _probe_isolated(spec: dict, batch, budget, reserve=False, timeout=None, **kw):
     """:func:`_probe` in a fresh Python process: what a user's own process would measure;
-    ``reserve``: the process calls :func:`tf_remat.reserve_memory` with the budget first.
+    ``reserve``: the process calls :func:`tf_remat.reserve_memory` with the budget first;
+    ``timeout``: seconds before the process is killed and :class:`_DeadlineReached` raised.
 
     Within one process the allocator keeps every region it grew, so the search's earlier
     probes change what later ones measure: TensorFlow's BFC allocator hands a request a whole
@@ -198,8 +208,11 @@ def _probe_isolated(spec: dict, batch, budget, reserve=False, **kw):
 
     args = dict(spec, batch=int(batch), budget=int(budget), reserve=bool(reserve), **kw)
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(args)],
-                          capture_output=True, text=True)
+    try:
+        proc = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(args)],
+                              capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:  # run() has killed the probe's process
+        raise _DeadlineReached() from None
     lines = proc.stdout.splitlines()
     for line in reversed(lines):
         if line.startswith("tf-remat-probe "):
@@ -225,7 +238,7 @@ def max_batch_size(build, budget_gb: float | None = None, *, budget_bytes: int |
                    max_batch: int = 4096, cost_model: str = "flops",
                    verbose: int = 1, isolate: bool | None = None,
                    confirm: int = 2, save_plan: str | None = None,
-                   reserve: bool = False) -> MaxBatchResult:
+                   reserve: bool = False, deadline: float | None = None) -> MaxBatchResult:
     """Largest batch sizes that train within the budget, plain and with rematerialization.
 
     Args:
@@ -258,6 +271,13 @@ def max_batch_size(build, budget_gb: float | None = None, *, budget_bytes: int |
             (without ``isolate``, this process, now). On the CPU that can move the sizes
             either way (see ``reserve_memory``); a user who reserves in training should
             search so too.
+        deadline: seconds for the whole search. When it passes, no further probe starts (an
+            isolated probe under way is stopped; one in this process finishes first) and the
+            result, marked ``complete=False``, holds the largest sizes confirmed by then (a
+            rematerialized size that passed its ``1 + confirm`` probes, else the plain size):
+            sizes that fit, where a larger one may too. A search near the budget's floor can
+            run long (ResNet50 at 64x64 on a CPU: over 30 min, each probe about 100 s, its
+            plans a few allocator chunks either side of the budget).
 
     Returns:
         :class:`MaxBatchResult`; both sizes were confirmed by a measured run within the budget
@@ -278,6 +298,9 @@ def max_batch_size(build, budget_gb: float | None = None, *, budget_bytes: int |
         raise ValueError(f"the budget must be positive, got {budget} bytes")
     if confirm < 0:
         raise ValueError(f"confirm must be >= 0, got {confirm}")
+    if deadline is not None and not deadline > 0:
+        raise ValueError(f"deadline must be a positive number of seconds, got {deadline}")
+    t_start = time.perf_counter()
     from tf_remat.solvers import check_time_limit
 
     check_time_limit(time_limit)  # once here, not in every probe after its trace
@@ -305,9 +328,12 @@ def max_batch_size(build, budget_gb: float | None = None, *, budget_bytes: int |
                   cost_model=cost_model)
         if plans_dir and remat:
             kw["save_plan"] = os.path.join(plans_dir, f"probe{len(probes)}.json")
+        left = None if deadline is None else deadline - (time.perf_counter() - t_start)
+        if left is not None and left <= 0:
+            raise _DeadlineReached()
         if isolate:
             peak, secs, edge, reach = _probe_isolated(spec, batch, budget, reserve=reserve,
-                                                      **kw)
+                                                      timeout=left, **kw)
         else:
             peak, secs, edge, reach = _probe(build, batch, budget, **kw)
         ok = peak is not None and peak <= budget and not edge
@@ -328,16 +354,28 @@ def max_batch_size(build, budget_gb: float | None = None, *, budget_bytes: int |
                         f"{' (confirm)' if check else ''}: {outcome}")
         return ok
 
-    plain = _search(lambda b: fits(b, False), start, max_batch)
-    # only sizes above the plain one are searched: the plain size fits as it is, and a
-    # rewritten step probed there first (as this search once did) can measure over the
-    # budget for its own allocator luck; the search then fell back to galloping up from 1
-    # and reported the plain size alone (benchmarks/results/max_batch.md)
-    remat = _search(lambda b: fits(b, True), start, max_batch, floor=plain)
-    searched = {p["batch"] for p in probes if p["remat"] and p["fits"]}
-    remat = _confirmed(lambda b: fits(b, True, check=True), remat, plain, confirm, searched)
+    complete, plain = True, None
+    try:
+        plain = _search(lambda b: fits(b, False), start, max_batch)
+        # only sizes above the plain one are searched: the plain size fits as it is, and a
+        # rewritten step probed there first (as this search once did) can measure over the
+        # budget for its own allocator luck; the search then fell back to galloping up from 1
+        # and reported the plain size alone (benchmarks/results/max_batch.md)
+        remat = _search(lambda b: fits(b, True), start, max_batch, floor=plain)
+        searched = {p["batch"] for p in probes if p["remat"] and p["fits"]}
+        remat = _confirmed(lambda b: fits(b, True, check=True), remat, plain, confirm,
+                           searched)
+    except _DeadlineReached:
+        complete, plain_complete = False, plain is not None
+        so_far, remat = _confirmed_so_far(probes, 1 + confirm)
+        plain = so_far if plain is None else plain
+    else:
+        plain_complete = True
     remat = max(remat, plain)
     progress.close()
+    if not complete and verbose:
+        print(f"the search stopped at its deadline ({deadline:g} s) after {len(probes)} "
+              f"probes: the sizes below are the largest confirmed by then")
     if plans_dir:
         if remat in fitted:
             shutil.copyfile(fitted[remat], save_plan)
@@ -345,14 +383,29 @@ def max_batch_size(build, budget_gb: float | None = None, *, budget_bytes: int |
                 print(f"wrote the plan for batch {remat} to {save_plan}")
         elif verbose:
             print(f"no plan written: rematerialization found no size above the plain "
-                  f"{plain}")
+                  f"{plain}{'' if complete else ' before the deadline'}")
         shutil.rmtree(plans_dir, ignore_errors=True)
-    result = MaxBatchResult(plain, remat, budget, probes)
+    result = MaxBatchResult(plain, remat, budget, probes, complete, plain_complete)
     if verbose:
         ratio = f"{result.ratio:.2f}x" if result.ratio else "n/a"
-        print(f"budget {format_bytes(budget)}: plain batch {plain}, with rematerialization "
-              f"{remat} ({ratio})")
+        least = "" if complete else "at least "
+        print(f"budget {format_bytes(budget)}: plain batch "
+              f"{'' if plain_complete else least}{plain}, with rematerialization "
+              f"{least}{remat} ({ratio})")
     return result
+
+
+def _confirmed_so_far(probes, times) -> tuple[int, int]:
+    """The plain and rematerialized sizes a search stopped part way can report: the largest
+    plain size that fitted (one probe is all a plain size gets), and the largest
+    rematerialized size that passed ``times`` probes and failed none (0 where none did)."""
+    plain = max((p["batch"] for p in probes if not p["remat"] and p["fits"]), default=0)
+    runs = {}
+    for p in probes:
+        if p["remat"]:
+            runs.setdefault(p["batch"], []).append(p["fits"])
+    remat = max((b for b, r in runs.items() if len(r) >= times and all(r)), default=0)
+    return plain, remat
 
 
 def _confirmed(fits, found, floor, times, passed=()) -> int:

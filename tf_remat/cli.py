@@ -177,7 +177,8 @@ def cmd_max_batch(args) -> int:
                             time_limit=args.time_limit, start=args.start,
                             max_batch=args.max, cost_model=args.cost_model,
                             verbose=0 if args.json else 1, confirm=args.confirm,
-                            save_plan=args.save_plan, reserve=args.reserve)
+                            save_plan=args.save_plan, reserve=args.reserve,
+                            deadline=args.deadline)
     if args.json:
         print(json.dumps(result.to_dict()))
     return 0
@@ -366,8 +367,11 @@ def _build_parser() -> argparse.ArgumentParser:
     s.add_argument("--reserve", action="store_true",
                    help="each probe's process calls tf_remat.reserve_memory with the budget "
                         "before it builds the model (as a training script that does so)")
+    s.add_argument("--deadline", type=positive(float), default=None,
+                   help="seconds for the whole search; when they pass, the largest sizes "
+                        "confirmed by then are reported, marked incomplete")
     s.add_argument("--json", action="store_true",
-                   help='one line {"plain_batch", "remat_batch", "budget_bytes"}')
+                   help='one line {"plain_batch", "remat_batch", "budget_bytes", "complete"}')
     s.set_defaults(func=cmd_max_batch)
 
     s = sub.add_parser("extract", help="trace a model's training step into a graph file")

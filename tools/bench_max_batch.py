@@ -44,10 +44,10 @@ CHILD = r"""
 import json, sys, time
 from tf_remat.batch import _probe, max_batch_size, memory_device
 from tf_remat.training import load_builder
-name, size, b0, top, strategy, limit, budget, reserve = sys.argv[1:9]
+t = time.perf_counter()
+name, size, b0, top, strategy, limit, budget, reserve, deadline = sys.argv[1:10]
 b0, top, limit, budget = int(b0), int(top), float(limit), int(budget)
 build = load_builder(name, input_size=size)
-t = time.perf_counter()
 # the largest of three measurements (one step's peak moves by up to ~25% run to run), plus 2%,
 # as the budget less optimize's verification margin (the plain probes are held to it too), so
 # that the plain search's own measurement at b0 fits and the plain batch is not understated
@@ -65,10 +65,14 @@ if not ref:
     big = _largest_value(_plain_step(model, model.optimizer), x, y)
     del model, x, y
     ref = verification_budget(int(peak), big)
+# what is left of the model's time once the budget is measured: a search stopped there
+# reports the sizes it confirmed, where a search killed at the limit reported none
 r = max_batch_size(build, budget_bytes=ref, strategy=strategy, time_limit=limit, start=b0,
-                   max_batch=top, verbose=1, reserve=reserve == "1")
+                   max_batch=top, verbose=1, reserve=reserve == "1",
+                   deadline=max(1.0, float(deadline) - (time.perf_counter() - t)))
 print(json.dumps({"model": name, "input": size, "b0": b0, "budget": ref,
                   "plain": r.plain_batch, "remat": r.remat_batch, "probes": len(r.probes),
+                  "complete": r.complete, "plain_complete": r.plain_complete,
                   "trail": [[p["batch"], p["remat"], p["fits"], p["confirm"]] for p in r.probes],
                   "seconds": time.perf_counter() - t, "device": memory_device()}))
 """
@@ -80,8 +84,8 @@ def main(argv=None) -> int:
     ap.add_argument("--strategy", default="auto")
     ap.add_argument("--time-limit", type=float, default=20.0, help="seconds per solve")
     ap.add_argument("--model-timeout", type=float, default=1200.0,
-                    help="seconds for one model's whole search (a model over it is reported as "
-                         "timed out)")
+                    help="seconds for one model's whole search: the search stops there and "
+                         "reports the sizes it confirmed by then, marked >=")
     ap.add_argument("--budget-mib", type=float, default=None,
                     help="this budget for every model, not one measured at b0 (to compare "
                          "runs at one budget)")
@@ -98,14 +102,17 @@ def main(argv=None) -> int:
     for name, size, b0, top in wanted:
         cmd = [sys.executable, "-c", CHILD, name, size, str(b0), str(top), args.strategy,
                str(args.time_limit), str(int((args.budget_mib or 0) * 2**20)),
-               "1" if args.reserve else "0"]
+               "1" if args.reserve else "0",
+               # the search's own deadline, a minute inside the limit: the child's start
+               # (importing TensorFlow) and the probe stopped at the deadline take that
+               str(args.model_timeout - 60)]
         t = time.perf_counter()
         # a session of its own: at the limit the probe's process it started goes too, not
         # only the search's (an orphaned probe would measure on beside the next model)
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, env=env, start_new_session=True)
-        try:
-            out, err = proc.communicate(timeout=args.model_timeout)
+        try:  # the limit is a backstop: the search stops itself a minute inside it
+            out, err = proc.communicate(timeout=args.model_timeout + 120)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             out, err = proc.communicate()
@@ -155,8 +162,11 @@ def _line(r):
     if "error" in r:
         return "\n  ".join([f"{r['model']}: error {r['error']}"] + r.get("progress", []))
     ratio = r["remat"] / r["plain"] if r["plain"] else float("nan")
-    return (f"{r['model']} {r['input']}: budget {_mib(r['budget'])} MiB, plain {r['plain']}, "
-            f"remat {r['remat']} ({ratio:.2f}x), {r['probes']} probes, {r['seconds']:.0f} s")
+    least = "" if r.get("complete", True) else "at least "
+    plain = ("" if r.get("plain_complete", True) else least) + str(r["plain"])
+    return (f"{r['model']} {r['input']}: budget {_mib(r['budget'])} MiB, plain {plain}, "
+            f"remat {least}{r['remat']} ({ratio:.2f}x), {r['probes']} probes, "
+            f"{r['seconds']:.0f} s" + ("" if least == "" else ", stopped at the deadline"))
 
 
 def _trail(trail):
@@ -191,11 +201,17 @@ def _markdown(rows, args):
                        f"{r['seconds']:.0f} (error: {r['error']}) |")
             continue
         ratio = f"{r['remat'] / r['plain']:.2f}x" if r["plain"] else "-"
+        least = "" if r.get("complete", True) else ">="
+        plain = ("" if r.get("plain_complete", True) else least) + str(r["plain"])
         out.append(f"| {r['model']} | {r['input']} | {r['b0']} | {_mib(r['budget'])} | "
-                   f"{r['plain']} | {r['remat']} | {ratio} | {r['probes']} | "
+                   f"{plain} | {least}{r['remat']} | {ratio} | {r['probes']} | "
                    f"{r['seconds']:.0f} |")
     devices = {r["device"] for r in rows if "device" in r} or {"?"}
     out += ["", "Device: " + ", ".join(sorted(devices)) + ".", ""]
+    if not all(r.get("complete", True) for r in rows):
+        out += [f">= n: the search stopped at its deadline ({args.model_timeout - 60:g} s, a "
+                "minute inside `--model-timeout`) with n the largest size that passed all its "
+                "probes by then; a larger size may fit too.", ""]
     for r in rows:
         if r.get("progress"):
             out += [f"{r['model']}, the probes finished before the limit:", ""]
