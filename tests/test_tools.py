@@ -647,6 +647,10 @@ def test_max_batch_deadline_reports_what_was_confirmed_and_starts_no_probe_after
         assert ("stopped at its deadline" in out) is (done < n)
         assert ("plain batch at least" in out) is (done < 6)
         assert ("rematerialization at least" in out) is (done < n)
+        # where the search got to: a size part way through its probes, none failed
+        part = {n - 1: "batch 20 passed 2 of the 3", 7: "batch 16 passed 1 of the 3"}
+        assert ("probes a size needs" in out) is (done in part)
+        assert part.get(done, "") in out
 
 
 SLEEPY_MODULE = textwrap.dedent('''

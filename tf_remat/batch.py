@@ -376,6 +376,16 @@ def max_batch_size(build, budget_gb: float | None = None, *, budget_bytes: int |
     if not complete and verbose:
         print(f"the search stopped at its deadline ({deadline:g} s) after {len(probes)} "
               f"probes: the sizes below are the largest confirmed by then")
+        # a size part way through its probes is no answer, but shows where the search got
+        # to (ResNet50 on a CPU without oneDNN: 18 had passed one of three at the deadline)
+        runs = {}
+        for p in probes:
+            if p["remat"] and p["batch"] > remat:
+                runs.setdefault(p["batch"], []).append(p["fits"])
+        part = max((b for b, r in runs.items() if all(r)), default=None)
+        if part is not None:
+            print(f"rematerialized batch {part} passed {len(runs[part])} of the "
+                  f"{1 + confirm} probes a size needs, and none failed")
     if plans_dir:
         if remat in fitted:
             shutil.copyfile(fitted[remat], save_plan)
