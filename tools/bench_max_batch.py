@@ -73,7 +73,8 @@ r = max_batch_size(build, budget_bytes=ref, strategy=strategy, time_limit=limit,
 print(json.dumps({"model": name, "input": size, "b0": b0, "budget": ref,
                   "plain": r.plain_batch, "remat": r.remat_batch, "probes": len(r.probes),
                   "complete": r.complete, "plain_complete": r.plain_complete,
-                  "trail": [[p["batch"], p["remat"], p["fits"], p["confirm"]] for p in r.probes],
+                  "trail": [[p["batch"], p["remat"], p["fits"], p["confirm"], p["seconds"]]
+                            for p in r.probes],
                   "seconds": time.perf_counter() - t, "device": memory_device()}))
 """
 
@@ -171,8 +172,9 @@ def _line(r):
 
 def _trail(trail):
     def one(t):
-        batch, remat, fits, confirm = t
-        return f"{batch}{'c' if confirm else ''}{'+' if fits else '-'}"
+        batch, remat, fits, confirm = t[:4]
+        secs = f" ({t[4]:.0f} s)" if len(t) > 4 else ""
+        return f"{batch}{'c' if confirm else ''}{'+' if fits else '-'}{secs}"
 
     plain = " ".join(one(t) for t in trail if not t[1])
     remat = " ".join(one(t) for t in trail if t[1])
@@ -218,7 +220,8 @@ def _markdown(rows, args):
             out += [f"* {p}" for p in r["progress"]] + [""]
     trails = [r for r in rows if r.get("trail")]
     if trails:
-        out += ["Probes in order (+ fits, - does not; c: a confirmation):", ""]
+        out += ["Probes in order (+ fits, - does not; c: a confirmation; each probe's seconds):",
+                ""]
         out += [f"* {r['model']}: {_trail(r['trail'])}" for r in trails]
         out.append("")
     return "\n".join(out)
