@@ -486,6 +486,29 @@ def test_train_script_reserves_before_the_model_is_built(tmp_path):
     assert held and all(4.25 * 2**20 <= h < 4.3 * 2**20 for h in held), held
 
 
+def test_a_remat_probe_does_not_time_the_static_order(monkeypatch):
+    """A probe asks whether a size fits: the static order's timing (a plain Keras step traced
+    and run in paired rounds beside the rewritten one) is no part of that answer."""
+    import keras
+
+    from tf_remat import api
+    from tf_remat.batch import _probe
+
+    timed = []
+    monkeypatch.setattr(api, "_time_static_order", lambda *a, **k: timed.append(a) or {})
+
+    def build(batch):
+        inp = keras.Input((8,))
+        model = keras.Model(inp, keras.layers.Dense(3)(keras.layers.Dense(16, "relu")(inp)))
+        model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+        return model, tf.TensorSpec((batch, 8)), tf.TensorSpec((batch,), tf.int32)
+
+    peak, _, edge, _ = _probe(build, 4, 1 << 30, remat=True, strategy="checkpoint-all",
+                              time_limit=5, verbose=0, cost_model="flops")
+    assert peak is not None and not edge
+    assert timed == []
+
+
 def test_a_size_with_no_plan_says_the_least_any_plan_reached(capsys):
     """A remat probe with no plan records and prints the least peak reached, so a user sees
     whether the size missed by a few percent or by far."""

@@ -111,7 +111,10 @@ def _probe(build, batch, budget, *, remat, strategy, time_limit, verbose, cost_m
         try:
             step = optimize(model, budget_bytes=budget, input_spec=input_spec,
                             label_spec=label_spec, strategy=strategy, time_limit=time_limit,
-                            verbose=0, cost_model=cost_model, attach=False, _probe=True)
+                            verbose=0, cost_model=cost_model, attach=False, _probe=True,
+                            # a probe asks whether the size fits, not what it costs: timing
+                            # the static order traces and runs a plain Keras step beside it
+                            time_order=False)
         except InfeasibleBudgetError as exc:
             return None, time.perf_counter() - t0, False, exc.min_feasible
         except RematError as exc:
