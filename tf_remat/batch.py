@@ -381,11 +381,8 @@ def max_batch_size(build, budget_gb: float | None = None, *, budget_bytes: int |
               f"probes: the sizes below are the largest confirmed by then")
         # a size part way through its probes is no answer, but shows where the search got
         # to (ResNet50 on a CPU without oneDNN: 18 had passed one of three at the deadline)
-        runs = {}
-        for p in probes:
-            if p["remat"] and p["batch"] > remat:
-                runs.setdefault(p["batch"], []).append(p["fits"])
-        part = max((b for b, r in runs.items() if all(r)), default=None)
+        runs = _remat_runs(probes)
+        part = max((b for b, r in runs.items() if b > remat and all(r)), default=None)
         if part is not None:
             print(f"rematerialized batch {part} passed {len(runs[part])} of the "
                   f"{1 + confirm} probes a size needs, and none failed")
@@ -413,12 +410,18 @@ def _confirmed_so_far(probes, times) -> tuple[int, int]:
     plain size that fitted (one probe is all a plain size gets), and the largest
     rematerialized size that passed ``times`` probes and failed none (0 where none did)."""
     plain = max((p["batch"] for p in probes if not p["remat"] and p["fits"]), default=0)
+    remat = max((b for b, r in _remat_runs(probes).items() if len(r) >= times and all(r)),
+                default=0)
+    return plain, remat
+
+
+def _remat_runs(probes) -> dict:
+    """batch -> whether each rematerialized probe at it fitted, in order."""
     runs = {}
     for p in probes:
         if p["remat"]:
             runs.setdefault(p["batch"], []).append(p["fits"])
-    remat = max((b for b, r in runs.items() if len(r) >= times and all(r)), default=0)
-    return plain, remat
+    return runs
 
 
 def _confirmed(fits, found, floor, times, passed=()) -> int:
