@@ -644,8 +644,9 @@ def test_max_batch_deadline_reports_what_was_confirmed_and_starts_no_probe_after
 
     def search(deadline):
         clock[0] = 0.0
+        # the confirmations at the end, as without a deadline (confirm_each's test below)
         return batch.max_batch_size(lambda b: None, budget_bytes=150, start=4, max_batch=64,
-                                    deadline=deadline, verbose=1)
+                                    deadline=deadline, confirm_each=False, verbose=1)
 
     full = search(None)
     assert (full.plain_batch, full.remat_batch, full.complete) == (8, 20, True)
@@ -674,6 +675,41 @@ def test_max_batch_deadline_reports_what_was_confirmed_and_starts_no_probe_after
         part = {n - 1: "batch 20 passed 2 of the 3", 7: "batch 16 passed 1 of the 3"}
         assert ("probes a size needs" in out) is (done in part)
         assert part.get(done, "") in out
+
+
+@pytest.mark.parametrize("deadline,each,done,expect", [
+    (None, True, 16, 20),  # every size confirmed as met: 20 passed three, 21 and 22 failed
+    (95, None, 10, 16),  # on by default with a deadline: 16 passed three, 32 and 24 failed
+    (145, None, 15, 20),  # stopped at 21: 20 had passed its three
+    (75, None, 8, 8),  # 16 one probe short of its three: the plain size
+    (95, False, 10, 8),  # off: the search's single probes, none confirmed by then
+])
+def test_max_batch_confirm_each_passes_a_size_before_the_next(monkeypatch, deadline, each,
+                                                               done, expect):
+    """On the fake clock (probes 10 s each; plain 8 fits, rematerialized up to 20), the
+    rematerialized search with ``confirm_each`` probes each size three times before it moves
+    on, so a deadline part way reports the largest size that passed all three."""
+    from tf_remat import batch
+
+    clock = [0.0]
+    monkeypatch.setattr(batch, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+
+    def probe(build, b, budget, *, remat, **kw):
+        clock[0] += 10
+        return (100 if b <= (20 if remat else 8) else 200), 10.0, False, None
+
+    monkeypatch.setattr(batch, "_probe", probe)
+    r = batch.max_batch_size(lambda b: None, budget_bytes=150, start=4, max_batch=64,
+                             deadline=deadline, confirm_each=each, verbose=0)
+    remat = [(p["batch"], p["confirm"]) for p in r.probes if p["remat"]]
+    assert len(r.probes) == done and r.plain_batch == 8 and r.remat_batch == expect
+    assert r.complete is (deadline is None)
+    if each is not False:  # a failure needs one probe, a pass three, the last two confirming
+        assert remat == [(16, False), (16, True), (16, True), (32, False), (24, False),
+                         (20, False), (20, True), (20, True), (22, False),
+                         (21, False)][:done - 6]
+    else:
+        assert [b for b, _ in remat] == [16, 32, 24, 20]
 
 
 SLEEPY_MODULE = textwrap.dedent('''

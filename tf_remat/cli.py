@@ -178,7 +178,7 @@ def cmd_max_batch(args) -> int:
                             max_batch=args.max, cost_model=args.cost_model,
                             verbose=0 if args.json else 1, confirm=args.confirm,
                             save_plan=args.save_plan, reserve=args.reserve,
-                            deadline=args.deadline)
+                            deadline=args.deadline, confirm_each=args.confirm_each)
     if args.json:
         print(json.dumps(result.to_dict()))
     return 0
@@ -370,6 +370,11 @@ def _build_parser() -> argparse.ArgumentParser:
     s.add_argument("--deadline", type=positive(float), default=None,
                    help="seconds for the whole search; when they pass, the largest sizes "
                         "confirmed by then are reported, marked incomplete")
+    s.add_argument("--confirm-each", action=argparse.BooleanOptionalAction, default=None,
+                   help="pass each rematerialized size's --confirm probes before trying the "
+                        "next, so a search stopped at its deadline reports the largest size it "
+                        "passed (default: on with --deadline, else the largest size alone is "
+                        "confirmed, at the end)")
     s.add_argument("--json", action="store_true",
                    help='one line {"plain_batch", "remat_batch", "budget_bytes", "complete"}')
     s.set_defaults(func=cmd_max_batch)
