@@ -1985,6 +1985,40 @@ def test_a_step_kept_within_the_budget_but_not_the_margin_says_so(monkeypatch):
     assert step.report["margin_met"]
 
 
+@pytest.mark.parametrize("margin", [0.01, 0.0])
+def test_a_margin_given_replaces_the_verification_margin(monkeypatch, margin):
+    """``optimize(margin=)``: with every step measuring 98% of the budget, a margin of 1% (or
+    none) accepts the first plan without a warning, where the default margin (at least 5%)
+    solves again lower and keeps it with one (the test above)."""
+    import tf_remat.api as api
+
+    real = api.measure_step_peak
+    budget = 1 << 30
+    monkeypatch.setattr(api, "measure_step_peak", lambda *a, **k: {
+        **real(*a, **k), "step_peak_bytes": int(0.98 * budget)})
+    model, xs, ys = fresh(mlp)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*margin")
+        step = tf_remat.optimize(model, budget_bytes=budget, input_spec=xs, label_spec=ys,
+                                 attach=False, margin=margin, **FAST)
+    rep = step.report
+    assert rep["margin_met"] and rep["margin"] == margin and rep["attempts"] == 1
+    assert step._primary().attempts[0]["solve_budget"] == int((1 - margin) * budget)
+
+
+def test_the_report_gives_the_default_margin_and_a_bad_one_is_refused():
+    from tf_remat.api import verification_margin
+
+    model, xs, ys = fresh(mlp)
+    for bad in (1.0, -0.01, 1.5):
+        with pytest.raises(ValueError, match="margin must be a fraction"):
+            tf_remat.optimize(model, budget_bytes=1 << 30, input_spec=xs, label_spec=ys,
+                              attach=False, margin=bad, **FAST)
+    step = tf_remat.optimize(model, budget_bytes=1 << 30, input_spec=xs, label_spec=ys,
+                             attach=False, **FAST)
+    assert step.report["margin"] == verification_margin(1 << 30, max(step.graph.memory))
+
+
 def record_plans(monkeypatch) -> list:
     """Make ``rewrite`` record every plan ``optimize`` builds a step for, in order."""
     import tf_remat.rewrite as rw

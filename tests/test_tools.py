@@ -792,6 +792,15 @@ def test_train_script_logs_epochs_with_decreasing_loss(module_file, budget_gb, t
         assert rep["plan_source"] == "solved" and rep["attempts"] > 1, rep
 
 
+def test_train_script_passes_its_margin_to_optimize(module_file):
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "train.py"), "--module",
+                           f"{module_file}:build", "--batch", "4", "--budget-gb", "1",
+                           "--margin", "1.5"],
+                          capture_output=True, text=True, env=_env(), timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "train.py: error: margin must be a fraction of the budget" in proc.stderr
+
+
 def test_train_script_reports_bad_module(tmp_path):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "train.py"), "--module",
                            str(tmp_path / "missing.py:build"), "--batch", "4", "--no-remat"],

@@ -156,11 +156,13 @@ class EpochLog:
 def train(build, *, batch: int, epochs: int, budget_gb: float | None = None,
           remat: bool = True, strategy: str = "auto", time_limit: float = 60.0,
           batches_per_epoch: int = 8, log: str | None = None, verbose: int = 1,
-          dataset=None, plan=None, save_plan: str | None = None):
+          dataset=None, plan=None, save_plan: str | None = None,
+          margin: float | None = None):
     """Train ``build(batch)``'s model; returns ``(history, rows, step_or_None)``.
 
     ``plan``: a plan (or its path) to run instead of a first solve (``optimize``'s ``plan=``);
-    ``save_plan``: where to write the plan that ran, for the next run's ``plan``.
+    ``save_plan``: where to write the plan that ran, for the next run's ``plan``;
+    ``margin``: ``optimize``'s verification margin (None: its default).
 
     ``dataset``: a ``tf.data.Dataset`` of ``(x, y)`` batches of size ``batch`` (the last partial
     batch is dropped: the rewritten step is static), or a function ``dataset(batch)`` returning
@@ -175,7 +177,7 @@ def train(build, *, batch: int, epochs: int, budget_gb: float | None = None,
 
         step = optimize(model, budget_gb=budget_gb, input_spec=input_spec,
                         label_spec=label_spec, strategy=strategy, time_limit=time_limit,
-                        verbose=verbose, plan=plan)
+                        verbose=verbose, plan=plan, margin=margin)
         if save_plan:
             step.plan.save(save_plan)
     elif plan is not None or save_plan:

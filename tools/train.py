@@ -43,6 +43,10 @@ def main(argv=None):
     p.add_argument("--reserve", action="store_true",
                    help="call tf_remat.reserve_memory with the budget before the model is "
                         "built (measure with and without: it is not a gain on every step)")
+    p.add_argument("--margin", type=float, default=None,
+                   help="fraction of the budget the measured step must leave free (default: "
+                        "optimize's 5-15%%; 0: any step within the budget, often cheaper, "
+                        "with no room for other allocation histories)")
     p.add_argument("--log", default=None, help="CSV file, one row per epoch")
     p.add_argument("--verbose", type=int, default=1)
     args = p.parse_args(argv)
@@ -64,7 +68,7 @@ def main(argv=None):
                               strategy=args.strategy, time_limit=args.time_limit,
                               batches_per_epoch=args.batches_per_epoch, log=args.log,
                               verbose=args.verbose, dataset=dataset, plan=args.plan,
-                              save_plan=args.save_plan)
+                              save_plan=args.save_plan, margin=args.margin)
     except (RematError, ValueError, FileNotFoundError) as exc:
         print(f"train.py: error: {exc}", file=sys.stderr)
         return 2
