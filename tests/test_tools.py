@@ -219,6 +219,13 @@ def test_plain_probe_trains_as_keras_with_a_loss_per_output_and_penalties():
         if edge:
             break
     assert edge, seen
+    # another margin given: none (no size within the budget is at its edge), or half of it
+    for margin in (0.0, 0.5):
+        peak, _, edge, _ = _probe(build, 4, budget, remat=False, strategy=None,
+                                  time_limit=None, verbose=0, cost_model="flops",
+                                  margin=margin)
+        assert edge == (budget * (1 - margin) < peak <= budget), (margin, budget, peak)
+        assert edge or margin == 0
     model, _, _ = build(4)
     x = np.ones((4, 8, 8, 3), "float32")
     y = {"cls": np.zeros((4,), "int32"), "reg": np.ones((4, 1), "float32")}
@@ -503,10 +510,14 @@ def test_a_remat_probe_does_not_time_the_static_order(monkeypatch):
         model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
         return model, tf.TensorSpec((batch, 8)), tf.TensorSpec((batch,), tf.int32)
 
+    real, margins = api.optimize, []
+    monkeypatch.setattr(api, "optimize",
+                        lambda *a, **k: margins.append(k["margin"]) or real(*a, **k))
     peak, _, edge, _ = _probe(build, 4, 1 << 30, remat=True, strategy="checkpoint-all",
-                              time_limit=5, verbose=0, cost_model="flops")
+                              time_limit=5, verbose=0, cost_model="flops", margin=0.02)
     assert peak is not None and not edge
     assert timed == []
+    assert margins == [0.02]  # the search's margin, passed on
 
 
 def test_a_size_with_no_plan_says_the_least_any_plan_reached(capsys):
@@ -710,6 +721,24 @@ def test_max_batch_confirm_each_passes_a_size_before_the_next(monkeypatch, deadl
                          (21, False)][:done - 6]
     else:
         assert [b for b, _ in remat] == [16, 32, 24, 20]
+
+
+def test_max_batch_holds_every_probe_to_the_margin_given(monkeypatch):
+    from tf_remat import batch
+
+    margins = []
+
+    def probe(build, b, budget, *, remat, margin, **kw):
+        margins.append(margin)
+        return (100 if b <= (20 if remat else 8) else 200), 1.0, False, None
+
+    monkeypatch.setattr(batch, "_probe", probe)
+    r = batch.max_batch_size(lambda b: None, budget_bytes=150, start=4, max_batch=64,
+                             margin=0.0, verbose=0)
+    assert (r.plain_batch, r.remat_batch) == (8, 20)
+    assert len(margins) == len(r.probes) and set(margins) == {0.0}
+    with pytest.raises(ValueError, match="margin must be a fraction"):
+        batch.max_batch_size(lambda b: None, budget_bytes=150, margin=1.0)
 
 
 SLEEPY_MODULE = textwrap.dedent('''

@@ -80,12 +80,12 @@ def _plain_step(model, optimizer):
 
 
 def _probe(build, batch, budget, *, remat, strategy, time_limit, verbose, cost_model,
-           save_plan=None):
+           save_plan=None, margin=None):
     """Measured step peak at this batch (plain or rewritten), or None when no plan fits;
     whether the step sits at the budget's edge (within the budget, not within ``optimize``'s
     verification margin: see below); and, when no plan fits, the least any plan reached
     (``InfeasibleBudgetError.min_feasible``: measured when a plan measured over, else the
-    solver's best), or None.
+    solver's best), or None. ``margin``: ``optimize``'s (None: its default), for both steps.
 
     The figure is :func:`tf_remat.api.measure_step_peak`'s ``step_peak_bytes``: the step's own
     peak (its variables, optimizer slots, batch and temporaries), so memory the process still
@@ -112,6 +112,7 @@ def _probe(build, batch, budget, *, remat, strategy, time_limit, verbose, cost_m
             step = optimize(model, budget_bytes=budget, input_spec=input_spec,
                             label_spec=label_spec, strategy=strategy, time_limit=time_limit,
                             verbose=0, cost_model=cost_model, attach=False, _probe=True,
+                            margin=margin,
                             # a probe asks whether the size fits, not what it costs: timing
                             # the static order traces and runs a plain Keras step beside it
                             time_order=False)
@@ -145,7 +146,9 @@ def _probe(build, batch, budget, *, remat, strategy, time_limit, verbose, cost_m
         largest = _largest_value(step, x, y)
         peak = measure_step_peak(step, x, y, variables=variables, runs=_MEASURE_RUNS,
                                  ballast=verification_layouts(largest))["step_peak_bytes"]
-        edge = budget * (1 - verification_margin(budget, largest)) < peak <= budget
+        if margin is None:
+            margin = verification_margin(budget, largest)
+        edge = budget * (1 - margin) < peak <= budget
     return peak, time.perf_counter() - t0, edge, None
 
 
@@ -178,7 +181,8 @@ build = load_builder(a["model"], a["module"], input_size=a["input_size"],
                      num_classes=a["num_classes"])
 result = _probe(build, a["batch"], a["budget"], remat=a["remat"], strategy=a["strategy"],
                 time_limit=a["time_limit"], verbose=a["verbose"],
-                cost_model=a["cost_model"], save_plan=a.get("save_plan"))
+                cost_model=a["cost_model"], save_plan=a.get("save_plan"),
+                margin=a.get("margin"))
 print("tf-remat-probe " + json.dumps(list(result)), flush=True)
 """
 
@@ -242,7 +246,8 @@ def max_batch_size(build, budget_gb: float | None = None, *, budget_bytes: int |
                    verbose: int = 1, isolate: bool | None = None,
                    confirm: int = 2, save_plan: str | None = None,
                    reserve: bool = False, deadline: float | None = None,
-                   confirm_each: bool | None = None) -> MaxBatchResult:
+                   confirm_each: bool | None = None,
+                   margin: float | None = None) -> MaxBatchResult:
     """Largest batch sizes that train within the budget, plain and with rematerialization.
 
     Args:
@@ -289,6 +294,8 @@ def max_batch_size(build, budget_gb: float | None = None, *, budget_bytes: int |
             one (without it, ResNet50 and vgg16 on a CPU stopped at their plain sizes, with a
             size three times that one probe into its three). The default, None: on with a
             ``deadline``, else off.
+        margin: the verification margin every probe is held to (``optimize``'s ``margin``;
+            None: its default): search with the margin the training run will use.
 
     Returns:
         :class:`MaxBatchResult`; both sizes were confirmed by a measured run within the budget
@@ -311,6 +318,8 @@ def max_batch_size(build, budget_gb: float | None = None, *, budget_bytes: int |
         raise ValueError(f"confirm must be >= 0, got {confirm}")
     if deadline is not None and not deadline > 0:
         raise ValueError(f"deadline must be a positive number of seconds, got {deadline}")
+    if margin is not None and not 0 <= margin < 1:
+        raise ValueError(f"margin must be a fraction of the budget in [0, 1), got {margin!r}")
     if confirm_each is None:
         confirm_each = deadline is not None
     t_start = time.perf_counter()
@@ -338,7 +347,7 @@ def max_batch_size(build, budget_gb: float | None = None, *, budget_bytes: int |
 
     def fits(batch, remat, check=False):
         kw = dict(remat=remat, strategy=strategy, time_limit=time_limit, verbose=verbose,
-                  cost_model=cost_model)
+                  cost_model=cost_model, margin=margin)
         if plans_dir and remat:
             kw["save_plan"] = os.path.join(plans_dir, f"probe{len(probes)}.json")
         left = None if deadline is None else deadline - (time.perf_counter() - t_start)

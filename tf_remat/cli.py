@@ -178,7 +178,8 @@ def cmd_max_batch(args) -> int:
                             max_batch=args.max, cost_model=args.cost_model,
                             verbose=0 if args.json else 1, confirm=args.confirm,
                             save_plan=args.save_plan, reserve=args.reserve,
-                            deadline=args.deadline, confirm_each=args.confirm_each)
+                            deadline=args.deadline, confirm_each=args.confirm_each,
+                            margin=args.margin)
     if args.json:
         print(json.dumps(result.to_dict()))
     return 0
@@ -375,6 +376,10 @@ def _build_parser() -> argparse.ArgumentParser:
                         "next, so a search stopped at its deadline reports the largest size it "
                         "passed (default: on with --deadline, else the largest size alone is "
                         "confirmed, at the end)")
+    s.add_argument("--margin", type=float, default=None,
+                   help="fraction of the budget each probe's measured step must leave free "
+                        "(default: optimize's, 5-15%%): the one training will use "
+                        "(train.py --margin)")
     s.add_argument("--json", action="store_true",
                    help='one line {"plain_batch", "remat_batch", "budget_bytes", "complete"}')
     s.set_defaults(func=cmd_max_batch)
