@@ -637,11 +637,9 @@ def test_sizes_confirmed_so_far_need_every_probe_passed():
     assert _confirmed_so_far([], 3) == (0, 0)
 
 
-def test_max_batch_deadline_reports_what_was_confirmed_and_starts_no_probe_after_it(
-        monkeypatch, capsys):
-    """Probes each taking 10 s of a fake clock: the plain search (8 fits, 9 does not) and a
-    rematerialized one (up to 20 fits) with two confirmations; a deadline between two probes
-    stops the search there, reporting the sizes confirmed by then."""
+def fake_clock_probes(monkeypatch) -> list:
+    """Make every max-batch probe take 10 s of a fake clock (returned: ``[now]``, settable),
+    with plain sizes up to 8 fitting and rematerialized ones up to 20."""
     from tf_remat import batch
 
     clock = [0.0]
@@ -652,6 +650,17 @@ def test_max_batch_deadline_reports_what_was_confirmed_and_starts_no_probe_after
         return (100 if b <= (20 if remat else 8) else 200), 10.0, False, None
 
     monkeypatch.setattr(batch, "_probe", probe)
+    return clock
+
+
+def test_max_batch_deadline_reports_what_was_confirmed_and_starts_no_probe_after_it(
+        monkeypatch, capsys):
+    """Probes each taking 10 s of a fake clock: the plain search (8 fits, 9 does not) and a
+    rematerialized one (up to 20 fits) with two confirmations; a deadline between two probes
+    stops the search there, reporting the sizes confirmed by then."""
+    from tf_remat import batch
+
+    clock = fake_clock_probes(monkeypatch)
 
     def search(deadline):
         clock[0] = 0.0
@@ -702,14 +711,7 @@ def test_max_batch_confirm_each_passes_a_size_before_the_next(monkeypatch, deadl
     on, so a deadline part way reports the largest size that passed all three."""
     from tf_remat import batch
 
-    clock = [0.0]
-    monkeypatch.setattr(batch, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
-
-    def probe(build, b, budget, *, remat, **kw):
-        clock[0] += 10
-        return (100 if b <= (20 if remat else 8) else 200), 10.0, False, None
-
-    monkeypatch.setattr(batch, "_probe", probe)
+    fake_clock_probes(monkeypatch)
     r = batch.max_batch_size(lambda b: None, budget_bytes=150, start=4, max_batch=64,
                              deadline=deadline, confirm_each=each, verbose=0)
     remat = [(p["batch"], p["confirm"]) for p in r.probes if p["remat"]]
