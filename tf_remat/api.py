@@ -169,9 +169,10 @@ def optimize(model, budget_gb: float | None = None, *, budget_bytes: int | None 
             other allocation histories (after ``model.fit``, beside other tensors, the
             held-out models measured up to 5 points above their verified peak). Where the
             allocator's chunks put plan after plan just over the default's target, the plan
-            kept can be far dearer than one within the budget (a test CNN on a CPU: 339%
-            predicted overhead kept over a 21% plan that measured 0.4% over the target).
-            More than the default leaves room for what the process allocates besides.
+            kept can be far dearer than one within the budget (bn_cnn at 50% on a CPU: 108%
+            predicted overhead with the default, 50% with none, whose step then measured
+            0.994 of the budget; ``benchmarks/results/margin.md``). More than the default
+            leaves room for what the process allocates besides.
         attach: make ``model.fit`` train with the rewritten step (undo with ``step.detach()``);
             a model never compiled is compiled with ``loss`` and ``optimizer`` for it.
         chain: how the plan's order is imposed (see :func:`tf_remat.rewrite.rewrite`).
