@@ -634,21 +634,32 @@ def test_an_update_before_a_reader_of_the_old_weight_is_deferred_past_it():
     # the simulation may rise (the gradient waits for the update), by far less than the copy
     assert deferred.peak_memory <= first.peak_memory + 2**20
     assert sorted(deferred.sequence) == sorted(first.sequence)
-    requested = {}
+    steps = {}
     for name, plan in (("first", first), ("deferred", deferred)):
-        step = rewrite(ex.traced, g, ex.op_map, plan, chain="node")
-        assert_same_step(ex, step, x, y)
-        # five calls, each after a pause: a call right after another may copy the kernel
-        # whatever the order (step_allocations' settle), so the deferred plan's is the fewest
-        # (with a test running beside it in the other process of the suite, all three calls
-        # of the deferred plan copied after 0.5 s pauses once); the first plan's copy comes
-        # from its order, but one of three calls in a full CI run (after 300 other tests)
-        # requested no more than the deferred plan, so its median
-        runs = sorted(step_allocations(step, x, y, variables=ex.traced.variables,
-                                       settle=1.0)["requested_peak_bytes"] for _ in range(5))
-        requested[name] = (runs[2] if name == "first" else runs[0]) + g.fixed_memory
+        steps[name] = rewrite(ex.traced, g, ex.op_map, plan, chain="node")
+        assert_same_step(ex, steps[name], x, y)
     kernel = 2048 * 2048 * 4
-    assert requested["first"] >= requested["deferred"] + 0.9 * kernel, requested
+    rounds = []
+    # up to three rounds: with the other process of the suite busy beside it, the deferred
+    # plan's step once copied the kernel in all five calls (CI on 67420f0: both plans requested
+    # 53129732 bytes), where alone it copies in none; the first plan given for both misses in
+    # every round (checked)
+    for _ in range(3):
+        requested = {}
+        for name, step in steps.items():
+            # five calls, each after a pause: a call right after another may copy the kernel
+            # whatever the order (step_allocations' settle), so the deferred plan's is the
+            # fewest (with a test running beside it in the other process of the suite, all
+            # three calls of the deferred plan copied after 0.5 s pauses once); the first
+            # plan's copy comes from its order, but one of three calls in a full CI run (after
+            # 300 other tests) requested no more than the deferred plan, so its median
+            runs = sorted(step_allocations(step, x, y, variables=ex.traced.variables,
+                                           settle=1.0)["requested_peak_bytes"] for _ in range(5))
+            requested[name] = (runs[2] if name == "first" else runs[0]) + g.fixed_memory
+        rounds.append(requested)
+        if requested["first"] >= requested["deferred"] + 0.9 * kernel:
+            break
+    assert requested["first"] >= requested["deferred"] + 0.9 * kernel, rounds
     # the copy is what the simulation of the first plan misses; the deferred one has none
     assert requested["first"] >= first.peak_memory + 0.9 * kernel, (requested, first.peak_memory)
     assert requested["deferred"] <= 1.03 * deferred.peak_memory, (requested, deferred.peak_memory)
