@@ -89,11 +89,12 @@ def run_case(name, batch, size, fractions, strategy, time_limit, runs, trace=Tru
             continue
         row["optimize_seconds"] = time.perf_counter() - t0
         rep = step.report
-        row.update({k: rep[k] for k in ("strategy", "status", "predicted_peak_bytes",
-                                        "baseline_peak_bytes", "predicted_overhead",
-                                        "solve_seconds", "measured_peak_bytes", "attempts",
-                                        "recomputed_nodes", "nodes", "margin",
-                                        "margin_met")})
+        # .get: an unverified step (a device without memory stats) has no measured peak or margin
+        row.update({k: rep.get(k) for k in ("strategy", "status", "predicted_peak_bytes",
+                                            "baseline_peak_bytes", "predicted_overhead",
+                                            "solve_seconds", "measured_peak_bytes", "attempts",
+                                            "recomputed_nodes", "nodes", "margin",
+                                            "margin_met")})
         # what optimize predicted for each part (the measured ones are static_overhead and
         # recompute_overhead below)
         row["recompute_pred"] = rep.get("recompute_overhead")
