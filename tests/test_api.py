@@ -116,6 +116,38 @@ def test_measure_step_peak_takes_keras_variables_and_restores_them():
     assert all(np.array_equal(a, v.numpy()) for a, v in zip(before, model.variables))
 
 
+def test_measure_step_peak_stops_at_the_first_layout_over_stop_above():
+    # max-batch's plain probe asks only whether a size fits: once one layout is over the
+    # budget, the others cannot bring the worst back under it
+    from tf_remat.api import measure_step_peak
+    from tf_remat.extract import trace_training_step
+
+    model, xs, ys = fresh(lambda: mlp(batch=64, d=32, width=64, depth=1))
+    ref = trace_training_step(model, xs, ys)
+    x, y = (tf.constant(a) for a in data(xs, ys))
+    calls = []
+
+    def step(a, b):
+        calls.append(1)
+        return ref.function(a, b)
+
+    layouts = [0, 4096, 8192]
+    whole = measure_step_peak(step, x, y, variables=ref.variables, runs=2, ballast=layouts,
+                              stop_above=1 << 40)
+    assert len(calls) == 3 * (1 + 2) and len(whole["layouts"]) == 3 and not whole["stopped"]
+    del calls[:]
+    cut = measure_step_peak(step, x, y, variables=ref.variables, runs=2, ballast=layouts,
+                            stop_above=whole["step_peak_bytes"] // 2)
+    # the warm-up and the first run, which is already over
+    assert len(calls) == 2 and len(cut["layouts"]) == 1 and cut["stopped"]
+    assert cut["step_peak_bytes"] > whole["step_peak_bytes"] // 2
+    # over in the last layout: nothing was left to skip
+    del calls[:]
+    last = measure_step_peak(step, x, y, variables=ref.variables, runs=1, ballast=[0],
+                             stop_above=0)
+    assert len(calls) == 2 and not last["stopped"]
+
+
 @pytest.fixture(scope="module")
 def cnn_step():
     """``cnn`` optimized once, for 0.75 of its measured peak, for the three tests of what its

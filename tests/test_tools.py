@@ -174,6 +174,37 @@ def test_max_batch_cli_json_and_remeasured(module_file, budget_gb, tmp_path):
         assert res["peak"] <= 1.05 * out["budget_bytes"], (res, out)
 
 
+def test_a_plain_probe_over_the_budget_runs_no_layout_after_the_first_over_it(monkeypatch):
+    import keras
+
+    import tf_remat.api
+    from tf_remat.batch import _probe
+
+    def build(batch):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, activation="relu"),
+                                  keras.layers.Dense(4)])
+        model.compile(optimizer="adam", loss="mse")
+        return model, tf.TensorSpec((batch, 16)), tf.TensorSpec((batch, 4))
+
+    real, seen = tf_remat.api.measure_step_peak, []
+
+    def measure(*a, **kw):
+        seen.append((kw.get("stop_above"), real(*a, **kw)))
+        return seen[-1][1]
+
+    monkeypatch.setattr(tf_remat.api, "measure_step_peak", measure)
+    peak, _, edge, _ = _probe(build, 8, 1000, remat=False, strategy=None, time_limit=None,
+                              verbose=0, cost_model="flops")
+    (stop, m), = seen
+    assert stop == 1000 and peak > 1000 and not edge
+    assert m["stopped"] and len(m["layouts"]) == 1
+    # within the budget, every layout runs
+    peak, _, _, _ = _probe(build, 8, 1 << 30, remat=False, strategy=None, time_limit=None,
+                           verbose=0, cost_model="flops")
+    assert not seen[-1][1]["stopped"] and len(seen[-1][1]["layouts"]) == 4
+
+
 def test_plain_probe_trains_as_keras_with_a_loss_per_output_and_penalties():
     """max-batch's plain step is Keras's: ``compute_loss``, so a loss per output (which no
     single loss function is) and the regularizers' penalties count; its peak is measured."""

@@ -1307,7 +1307,8 @@ class OptimizedStep:
 
 # --------------------------------------------------------------------- measuring
 def measure_step_peak(step, x, y, *, variables=(), runs: int = 1, warmup: int = 1,
-                      device: str | None = None, ballast=(0,)) -> dict:
+                      device: str | None = None, ballast=(0,),
+                      stop_above: int | None = None) -> dict:
     """Run ``step(x, y)`` and read TensorFlow's peak memory; the variables are restored after.
 
     Returns a dict: ``peak_bytes`` (the allocator's peak during the run, everything in the
@@ -1324,6 +1325,10 @@ def measure_step_peak(step, x, y, *, variables=(), runs: int = 1, warmup: int = 
     allocator's free chunks differ with what else is allocated, and so does the peak it reports
     for the same step (see ``_MEASURE_BALLAST``); a layout that does not fit on the device is
     skipped.
+
+    ``stop_above``: once a layout's ``step_peak_bytes`` is over this many bytes, the layouts
+    after it are not run (``stopped`` is then True): the worst can only grow, so a caller that
+    asks whether the step fits a budget has its answer. The figure is then a lower bound.
     """
     import numpy as np
     import tensorflow as tf
@@ -1339,8 +1344,9 @@ def measure_step_peak(step, x, y, *, variables=(), runs: int = 1, warmup: int = 
     owned += sum(counted_bytes(int(np.prod(t.shape)) * t.dtype.size, kind)
                  for t in tf.nest.flatten((x, y)))
     peaks, befores, times, layouts = [], [], [], []
+    stopped = False
     try:
-        for size in ballast:
+        for i, size in enumerate(ballast):
             hold = None
             sizes = tuple(size) if isinstance(size, (tuple, list)) else (size,)
             if any(b > 0 for b in sizes):
@@ -1364,14 +1370,19 @@ def measure_step_peak(step, x, y, *, variables=(), runs: int = 1, warmup: int = 
                 peaks.append(int(tf.config.experimental.get_memory_info(device)["peak"]))
                 befores.append(int(before))
                 worst = max(worst, peaks[-1] - befores[-1] + owned)
+                if stop_above is not None and worst > stop_above:
+                    break
             layouts.append(int(worst))
             del hold
+            if stop_above is not None and worst > stop_above:
+                stopped = i < len(ballast) - 1
+                break
     finally:
         _restore(variables, saved)
     k = int(np.argmax([p - b for p, b in zip(peaks, befores)]))
     return {"device": device, "peak_bytes": peaks[k], "current_before": befores[k],
             "owned_bytes": int(owned), "step_peak_bytes": int(peaks[k] - befores[k] + owned),
-            "seconds": float(np.median(times)), "layouts": layouts}
+            "seconds": float(np.median(times)), "layouts": layouts, "stopped": stopped}
 
 
 def _time_static_order(ex, chain, ispec, lspec, step_args=None) -> dict:

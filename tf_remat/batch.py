@@ -90,7 +90,8 @@ def _probe(build, batch, budget, *, remat, strategy, time_limit, verbose, cost_m
     The figure is :func:`tf_remat.api.measure_step_peak`'s ``step_peak_bytes``: the step's own
     peak (its variables, optimizer slots, batch and temporaries), so memory the process still
     holds from earlier probes does not count against this one. The plain step's is the worst
-    of ``optimize``'s verification layouts; the rewritten step was verified in those by
+    of ``optimize``'s verification layouts (over the budget, the first layout over it: the
+    rest are not run); the rewritten step was verified in those by
     ``optimize``, and its figure is one more run.
     """
     import keras
@@ -144,8 +145,11 @@ def _probe(build, batch, budget, *, remat, strategy, time_limit, verbose, cost_m
         # whose fixed memory is 95-96% of the budget, tied on that), and the margin stands
         # for allocation histories a plain step meets as much as a rewritten one
         largest = _largest_value(step, x, y)
+        # a layout over the budget settles it: the rest are not run (fcn8's seven plain probes
+        # at 2.7 GiB, four layouts of three steps each, took a whole 24 min search)
         peak = measure_step_peak(step, x, y, variables=variables, runs=_MEASURE_RUNS,
-                                 ballast=verification_layouts(largest))["step_peak_bytes"]
+                                 ballast=verification_layouts(largest),
+                                 stop_above=budget)["step_peak_bytes"]
         if margin is None:
             margin = verification_margin(budget, largest)
         edge = budget * (1 - margin) < peak <= budget
