@@ -145,8 +145,8 @@ def _probe(build, batch, budget, *, remat, strategy, time_limit, verbose, cost_m
         # whose fixed memory is 95-96% of the budget, tied on that), and the margin stands
         # for allocation histories a plain step meets as much as a rewritten one
         largest = _largest_value(step, x, y)
-        # a layout over the budget settles it: the rest are not run (fcn8's seven plain probes
-        # at 2.7 GiB, four layouts of three steps each, took a whole 24 min search)
+        # a layout over the budget settles it: the rest are not run (each layout is three
+        # steps, and a size too large is measured only until it is seen not to fit)
         peak = measure_step_peak(step, x, y, variables=variables, runs=_MEASURE_RUNS,
                                  ballast=verification_layouts(largest),
                                  stop_above=budget)["step_peak_bytes"]
