@@ -1329,8 +1329,9 @@ def measure_step_peak(step, x, y, *, variables=(), runs: int = 1, warmup: int = 
     for the same step (see ``_MEASURE_BALLAST``); a layout that does not fit on the device is
     skipped.
 
-    ``stop_above``: once a layout's ``step_peak_bytes`` is over this many bytes, the layouts
-    after it are not run (``stopped`` is then True): the worst can only grow, so a caller that
+    ``stop_above``: once a run's ``step_peak_bytes`` is over this many bytes, neither the rest
+    of its layout's runs nor the layouts after it run (``stopped`` is then True where a layout
+    was left out): the worst can only grow, so a caller that
     asks whether the step fits a budget has its answer. The figure is then a lower bound.
     """
     import numpy as np
