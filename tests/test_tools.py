@@ -923,12 +923,13 @@ def test_heldout_bench_table_says_when_the_first_call_was_refused():
 
 def test_the_runs_benchmark_measures_every_run_of_every_layout():
     """tools/bench_runs.py: one list of peaks per round and layout, a run per entry, each the
-    step's own allocation (a few MiB for this model at batch 2, not the process's)."""
+    step's own allocation (35-60 MiB for this model at batch 2, Adam's temporaries the most of
+    it; a run now and then more: runs.md), not the process's."""
     from conftest import load_tool
 
     bench = load_tool("bench_runs")
     data = bench.measure("bn_cnn", "32", 2, rounds=1, runs=2)["plain"]
     assert len(data) == 1 and len(data[0]) == len(bench.LAYOUTS)
-    assert all(len(p) == 2 and all(0 < v < 64 * 2**20 for v in p) for p in data[0])
+    assert all(len(p) == 2 and all(0 < v < 512 * 2**20 for v in p) for p in data[0]), data
     text = bench.table([("bn_cnn", 2, {"plain": data})])
     assert text.count("\n| bn_cnn | 2 | plain | 1 |") == 1
