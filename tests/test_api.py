@@ -135,11 +135,16 @@ def test_measure_step_peak_stops_at_the_first_layout_over_stop_above():
     whole = measure_step_peak(step, x, y, variables=ref.variables, runs=2, ballast=layouts,
                               stop_above=1 << 40)
     assert len(calls) == 3 * (1 + 2) and len(whole["layouts"]) == 3 and not whole["stopped"]
+    # every run's figure, by layout; the worst of them is the one reported
+    assert [len(r) for r in whole["runs"]] == [2, 2, 2]
+    assert [max(r) for r in whole["runs"]] == whole["layouts"]
+    assert max(map(max, whole["runs"])) == whole["step_peak_bytes"]
     del calls[:]
     cut = measure_step_peak(step, x, y, variables=ref.variables, runs=2, ballast=layouts,
                             stop_above=whole["step_peak_bytes"] // 2)
     # the warm-up and the first run, which is already over
     assert len(calls) == 2 and len(cut["layouts"]) == 1 and cut["stopped"]
+    assert [len(r) for r in cut["runs"]] == [1]
     assert cut["step_peak_bytes"] > whole["step_peak_bytes"] // 2
     # over in the last layout: nothing was left to skip
     del calls[:]

@@ -1319,7 +1319,8 @@ def measure_step_peak(step, x, y, *, variables=(), runs: int = 1, warmup: int = 
     (the variables and the batch, which are part of the step's own memory) and
     ``step_peak_bytes = peak - current_before + owned``: the step's peak as the budget counts
     it, without memory the process holds for other purposes. With ``runs > 1`` the largest.
-    ``seconds``: the median wall time of the measured runs.
+    ``seconds``: the median wall time of the measured runs; ``runs``: every measured run's
+    ``step_peak_bytes``, a list per layout run, in order.
 
     ``ballast``: one entry per allocator layout: a byte size (a tensor of that size is held
     while ``warmup + runs`` steps run; 0: none) or a tuple of sizes (tensors of those sizes are
@@ -1347,7 +1348,7 @@ def measure_step_peak(step, x, y, *, variables=(), runs: int = 1, warmup: int = 
     owned = _owned_bytes(variables, kind)
     owned += sum(counted_bytes(int(np.prod(t.shape)) * t.dtype.size, kind)
                  for t in tf.nest.flatten((x, y)))
-    peaks, befores, times, layouts = [], [], [], []
+    peaks, befores, times, layouts, per_run = [], [], [], [], []
     stopped = False
     try:
         for i, size in enumerate(ballast):
@@ -1364,6 +1365,7 @@ def measure_step_peak(step, x, y, *, variables=(), runs: int = 1, warmup: int = 
             for _ in range(warmup):
                 _block(step(x, y))
             worst = 0
+            per_run.append([])
             for _ in range(max(1, runs)):
                 gc.collect()
                 tf.config.experimental.reset_memory_stats(device)
@@ -1373,7 +1375,8 @@ def measure_step_peak(step, x, y, *, variables=(), runs: int = 1, warmup: int = 
                 times.append(time.perf_counter() - t)
                 peaks.append(int(tf.config.experimental.get_memory_info(device)["peak"]))
                 befores.append(int(before))
-                worst = max(worst, peaks[-1] - befores[-1] + owned)
+                per_run[-1].append(int(peaks[-1] - befores[-1] + owned))
+                worst = max(worst, per_run[-1][-1])
                 if stop_above is not None and worst > stop_above:
                     break
             layouts.append(int(worst))
@@ -1386,7 +1389,8 @@ def measure_step_peak(step, x, y, *, variables=(), runs: int = 1, warmup: int = 
     k = int(np.argmax([p - b for p, b in zip(peaks, befores)]))
     return {"device": device, "peak_bytes": peaks[k], "current_before": befores[k],
             "owned_bytes": int(owned), "step_peak_bytes": int(peaks[k] - befores[k] + owned),
-            "seconds": float(np.median(times)), "layouts": layouts, "stopped": stopped}
+            "seconds": float(np.median(times)), "layouts": layouts, "runs": per_run,
+            "stopped": stopped}
 
 
 def _time_static_order(ex, chain, ispec, lspec, step_args=None) -> dict:

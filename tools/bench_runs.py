@@ -17,7 +17,6 @@ allocated before the run; the variables and batch are not added). Usage:
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import platform
 import statistics
@@ -71,34 +70,14 @@ def measure(name: str, size: str, batch: int, rounds: int, runs: int,
 
 
 def _sample(step, x, y, variables, largest, rounds, runs) -> list:
-    import tensorflow as tf
+    from tf_remat.api import measure_step_peak, verification_layouts
 
-    from tf_remat.api import verification_layouts
-    from tf_remat.extract import block, restore_variables, snapshot_variables
-
-    saved = snapshot_variables(variables)
     out = []
-    try:
-        for _ in range(rounds):
-            per = []
-            for size_ in verification_layouts(largest):
-                sizes = tuple(size_) if isinstance(size_, (tuple, list)) else (size_,)
-                hold = [tf.fill([max(1, int(b) // 4)], 1.0) for b in sizes if b > 0]
-                hold = hold[::2] if len(hold) > 1 else hold
-                block(step(x, y))
-                peaks = []
-                for _ in range(runs):
-                    gc.collect()
-                    tf.config.experimental.reset_memory_stats("CPU:0")
-                    before = tf.config.experimental.get_memory_info("CPU:0")["current"]
-                    block(step(x, y))
-                    peaks.append(tf.config.experimental.get_memory_info("CPU:0")["peak"]
-                                 - before)
-                del hold
-                per.append(peaks)
-            out.append(per)
-    finally:
-        restore_variables(variables, saved)
+    for _ in range(rounds):
+        r = measure_step_peak(step, x, y, variables=variables, runs=runs,
+                              ballast=verification_layouts(largest))
+        # the table shows what the step allocated: the variables and batch it holds are not added
+        out.append([[v - r["owned_bytes"] for v in layout] for layout in r["runs"]])
     return out
 
 
