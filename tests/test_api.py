@@ -153,30 +153,6 @@ def test_measure_step_peak_stops_at_the_first_layout_over_stop_above():
     assert len(calls) == 2 and not last["stopped"]
 
 
-def test_verification_measures_a_chained_step_once_a_layout_and_a_loop_twice(monkeypatch):
-    """A step chained node by node runs its ops in one order, so a second run in a layout
-    measures what the first did (runs.md) and verification runs one; a step with a
-    tf.while_loop, whose body's ops the executor orders as it goes, gets two."""
-    import tf_remat.api as api
-
-    runs = []
-
-    def measure(*args, **kw):
-        runs.append(kw["runs"])
-        return real(*args, **kw)
-
-    real = api.measure_step_peak
-    monkeypatch.setattr(api, "measure_step_peak", measure)
-    model, xs, ys = fresh(lambda: mlp(batch=64, d=32, width=64, depth=1))
-    tf_remat.optimize(model, budget_gb=1.0, input_spec=xs, label_spec=ys, attach=False, **QUICK)
-    assert runs and set(runs) == {1}, runs
-    del runs[:]
-    with pytest.warns(UserWarning, match="tf.while_loop"):
-        tf_remat.optimize(loop_model(), budget_gb=1.0, input_spec=tf.TensorSpec((64, 32)),
-                          label_spec=tf.TensorSpec((64,), tf.int32), attach=False, **QUICK)
-    assert runs and set(runs) == {api._MEASURE_RUNS} and api._MEASURE_RUNS > 1, runs
-
-
 @pytest.fixture(scope="module")
 def cnn_step():
     """``cnn`` optimized once, for 0.75 of its measured peak, for the three tests of what its

@@ -70,8 +70,7 @@ _MEASURE_MARGIN = 0.05
 _MEASURE_MARGIN_LARGEST = 0.5
 _MAX_MARGIN = 0.15
 
-#: measured runs of a step per allocator layout (the largest counts) where the runs may differ:
-#: a plain step, a rewritten one with a loop or chained by runs (see _ordered)
+#: measured runs of the rewritten step per allocator layout when verifying (the largest counts)
 _MEASURE_RUNS = 2
 #: verification measures the step beside a held "ballast" tensor of these fractions of the
 #: graph's largest value, and counts the worst. TensorFlow's BFC allocator hands out a whole
@@ -922,8 +921,6 @@ class OptimizedStep:
         graph = ex.graph
         budget = self.budget_bytes
         loops = ex.info.get("loops") or []
-        # a second run in a layout would measure what the first did
-        ordered = o["chain"] == "node" and _ordered(ex.traced.function.graph)
         if loops:
             self._warn_once("loops", f"tf-remat: {_loops_note(loops)}")
         custom = overrides_train_step(self.model)
@@ -1081,7 +1078,7 @@ class OptimizedStep:
                 x, y = synthetic_batch(ispec, lspec)
                 big = max(graph.memory) if graph.n else 0
                 measured = measure_step_peak(step, x, y, variables=ex.traced.variables,
-                                             runs=1 if ordered else _MEASURE_RUNS,
+                                             runs=_MEASURE_RUNS,
                                              ballast=verification_layouts(big))
                 del x, y
             attempts.append({"solve_budget": solve_budget, "predicted": plan.peak_memory,
@@ -1747,20 +1744,6 @@ def _loop_layers(loops) -> str:
     """The layers that run the loop ops named in ``loops``, at most four shown."""
     names = sorted({name.rsplit("/while", 1)[0] for name in loops})
     return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
-
-
-def _ordered(graph) -> bool:
-    """Whether a step chained node by node (``chain="node"``) runs its ops in one order, so
-    that in one allocator layout every run after the first measures the same peak: true unless
-    it runs a ``tf.while_loop`` or a function call (a cond's branch, a nested tf.function),
-    whose body's ops the executor runs in whatever order its threads reach them. Measured
-    (benchmarks/results/runs.md): the rewritten steps of four models measured one figure, to 0.1
-    MiB, in eight runs of each layout, while Keras's plain steps, unchained, moved within a
-    layout as much as between layouts."""
-    from tf_remat.extract import _CALL_OPS
-
-    bodies = _CALL_OPS | {"While", "StatelessWhile"}
-    return not any(op.type in bodies for op in graph.get_operations())
 
 
 def _loops_note(loops) -> str:
