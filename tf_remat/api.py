@@ -76,11 +76,11 @@ _MEASURE_RUNS = 2
 #: graph's largest value, and counts the worst. TensorFlow's BFC allocator hands out a whole
 #: free chunk when it is less than twice the request and counts the whole chunk as in use, so
 #: the same step measures differently after different allocation histories (bn_cnn at batch
-#: 128: +0% to +17% over the simulated peak for a plan, +2% to +22% for the plain step). A
-#: rewritten step, chained in one order, measures the same peak run after run in one layout;
-#: Keras's plain step, whose independent ops the executor runs in any order, does not
-#: (benchmarks/results/runs.md: vgg16's at batch 12, 196-231 MiB in one layout), and its
-#: worst of _MEASURE_RUNS runs in each layout is a sample, not the layout's figure
+#: 128: +0% to +17% over the simulated peak for a plan, +2% to +22% for the plain step). Most
+#: rewritten steps, chained in one order, measure the same peak run after run in one layout,
+#: but not all (benchmarks/results/runs.md: resnet50's at batch 16, 40-55 MiB), and Keras's
+#: plain step, whose independent ops the executor runs in any order, does not either (vgg16's
+#: at batch 12, 196-231 MiB): the worst of _MEASURE_RUNS runs a layout is a sample
 _MEASURE_BALLAST = (0.0, 0.6, 1.0)
 #: and beside fragmented memory: tensors of these fractions allocated in turn and every other
 #: one freed, which leaves free chunks of odd sizes between the held ones
